@@ -1,0 +1,141 @@
+"""Who this process is (rank, local rank, node) and the process groups; the only place that creates groups.
+
+Rank information comes from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, ...), from Slurm's
+(SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, ...) when a job step starts the workers directly, or defaults
+to a single process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dtrain.errors import LaunchError
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Ranks as the launcher (torchrun, Slurm or none) describes them."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    launcher: str
+    master_addr: str | None
+    master_port: int | None
+    restart_count: int = 0
+
+
+def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Read the rank variables of torchrun or Slurm; a plain `python` start is one process."""
+    env = os.environ if environ is None else environ
+
+    def number(name: str, default: int | None = None) -> int:
+        raw = env.get(name)
+        if raw is None:
+            if default is None:
+                raise LaunchError(f"environment variable {name} is not set although the launcher's other "
+                                  "rank variables are; start the workers with torchrun, srun or `dtrain run`")
+            return default
+        try:
+            return int(raw.split("(")[0])
+        except ValueError:
+            raise LaunchError(f"environment variable {name}={raw!r} must be an integer") from None
+
+    port = env.get("MASTER_PORT")
+    addr = env.get("MASTER_ADDR")
+    if "RANK" in env and "WORLD_SIZE" in env:
+        local_world = number("LOCAL_WORLD_SIZE", number("WORLD_SIZE"))
+        return LaunchEnv(rank=number("RANK"), world_size=number("WORLD_SIZE"), local_rank=number("LOCAL_RANK", 0),
+                         local_world_size=local_world, node_rank=number("GROUP_RANK", number("RANK") // local_world),
+                         launcher="torchrun", master_addr=addr, master_port=int(port) if port else None,
+                         restart_count=number("TORCHELASTIC_RESTART_COUNT", 0))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        world = number("SLURM_NTASKS")
+        nodes = number("SLURM_NNODES", 1)
+        local_world = number("SLURM_NTASKS_PER_NODE", world // max(nodes, 1)) if env.get(
+            "SLURM_NTASKS_PER_NODE", "").split("(")[0].isdigit() else world // max(nodes, 1)
+        if addr is None or port is None:
+            raise LaunchError("under Slurm, MASTER_ADDR and MASTER_PORT must be exported before srun, e.g. "
+                              "`export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1) "
+                              "MASTER_PORT=29500` (README, Slurm)")
+        return LaunchEnv(rank=number("SLURM_PROCID"), world_size=world, local_rank=number("SLURM_LOCALID", 0),
+                         local_world_size=local_world, node_rank=number("SLURM_NODEID", 0), launcher="slurm",
+                         master_addr=addr, master_port=int(port), restart_count=number("SLURM_RESTART_COUNT", 0))
+    return LaunchEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, launcher="none",
+                     master_addr=None, master_port=None)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Ranks, nodes, backend and device of this process once the default process group exists."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    backend: str
+    device: torch.device
+    launcher: str
+    restart_count: int = 0
+
+    @property
+    def num_nodes(self) -> int:
+        return max(self.world_size // max(self.local_world_size, 1), 1)
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def choose_backend(requested: str) -> str:
+    """nccl where CUDA is present, gloo otherwise; an explicit request wins if it can work."""
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise LaunchError("distributed.backend = 'nccl' needs CUDA GPUs and none are visible; use 'gloo' or 'auto'")
+    return requested
+
+
+def init_distributed(*, backend: str = "auto", timeout_seconds: float = 600.0,
+                     environ: Mapping[str, str] | None = None) -> Topology:
+    """Create the default process group from the launcher's environment and describe this process."""
+    launch = read_launch_env(environ)
+    chosen = choose_backend(backend)
+    device = torch.device("cuda", launch.local_rank) if chosen == "nccl" else torch.device("cpu")
+    if chosen == "nccl":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=timeout_seconds)
+        if launch.world_size == 1 and launch.master_addr is None:
+            dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            if chosen == "gloo" and launch.master_addr in LOOPBACK_HOSTS:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            if launch.launcher == "slurm":
+                os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size),
+                                  LOCAL_RANK=str(launch.local_rank))
+            dist.init_process_group(chosen, rank=launch.rank, world_size=launch.world_size, timeout=timeout)
+    return Topology(rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank,
+                    local_world_size=launch.local_world_size, node_rank=launch.node_rank, backend=chosen,
+                    device=device, launcher=launch.launcher, restart_count=launch.restart_count)
+
+
+def shutdown_distributed() -> None:
+    """Destroy the default process group if there is one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

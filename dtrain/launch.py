@@ -1,0 +1,117 @@
+"""Start the workers of a run through torchrun's elastic agent (torch.distributed.launcher), on one node or many.
+
+On one machine the rendezvous runs on 127.0.0.1 with a free port. Across machines every node runs
+`dtrain run` with `--nnodes`, its `--node-rank` and the chief's `--master-addr/--master-port` (static
+rendezvous), or with a shared `--rdzv-endpoint` (c10d rendezvous, no node ranks needed). The agent
+restarts all workers of a node up to `max_restarts` times after a failure; they resume from the latest
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from dtrain.config import ExperimentConfig
+from dtrain.errors import LaunchError
+from dtrain.worker import FATAL_EXIT_CODE, FATAL_FILE, read_fatal
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """Where this node stands in the job."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+
+    def validate(self, world_size: int) -> None:
+        if self.nnodes < 1:
+            raise LaunchError(f"--nnodes {self.nnodes} must be >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise LaunchError(f"--node-rank {self.node_rank} must be in [0, {self.nnodes - 1}] for --nnodes "
+                              f"{self.nnodes}")
+        if world_size % self.nnodes:
+            raise LaunchError(f"resources.slots_per_trial ({world_size}) must be a multiple of --nnodes "
+                              f"({self.nnodes}) so that every node runs the same number of workers; set it to "
+                              f"{(world_size // self.nnodes + 1) * self.nnodes}")
+        if self.nnodes > 1 and self.rdzv_endpoint is None and self.master_port is None:
+            raise LaunchError("with --nnodes > 1 give the chief's --master-addr and --master-port (the same on "
+                              "every node), or a shared --rdzv-endpoint HOST:PORT")
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """How the workers ended: exit code 0 (finished or stopped), 1 (failed), 2 (user error)."""
+
+    exit_code: int
+    message: str | None = None
+
+
+def _worker_environment(nproc_per_node: int) -> None:
+    """Variables every worker inherits: thread count, loopback for gloo, and a marker for the worker."""
+    os.environ["DTRAIN_LAUNCHER"] = "1"
+    if "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        os.environ["OMP_NUM_THREADS"] = str(max(cores // nproc_per_node, 1))
+
+
+def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> LaunchResult:
+    """Run the workers of this node to the end; restarts and failure reports come from the elastic agent."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    world = config.resources.world_size
+    node.validate(world)
+    nproc = world // node.nnodes
+    local = node.nnodes == 1 and node.rdzv_endpoint is None
+    if local:
+        backend, endpoint, rdzv_configs = "c10d", f"{node.master_addr}:{node.master_port or 0}", {}
+    elif node.rdzv_endpoint is not None:
+        backend, endpoint, rdzv_configs = "c10d", node.rdzv_endpoint, {}
+    else:
+        backend, endpoint, rdzv_configs = "static", f"{node.master_addr}:{node.master_port}", {"rank": node.node_rank}
+    run_id = node.rdzv_id or (uuid.uuid4().hex if local else f"dtrain-{config.name}")
+    _worker_environment(nproc)
+    (run_dir / FATAL_FILE).unlink(missing_ok=True)
+    launch_config = LaunchConfig(
+        min_nodes=node.nnodes, max_nodes=node.nnodes, nproc_per_node=nproc, run_id=run_id,
+        rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs, max_restarts=config.max_restarts,
+        monitor_interval=0.2, local_addr=node.master_addr if local else None,
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "agent")))
+    for noisy in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    args = ("-u", "-m", "dtrain.worker", "--run-dir", str(run_dir))
+    try:
+        elastic_launch(launch_config, entrypoint=sys.executable)(*args)
+    except ChildFailedError as exc:
+        fatal = read_fatal(run_dir, run_id)
+        if fatal is not None:
+            return LaunchResult(FATAL_EXIT_CODE, str(fatal["message"]))
+        return LaunchResult(1, _describe_failure(exc, run_dir))
+    return LaunchResult(0)
+
+
+def _describe_failure(exc: Exception, run_dir: Path) -> str:
+    failures = getattr(exc, "failures", {}) or {}
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        detail = ""
+        data = getattr(failure, "error_file_data", None) or {}
+        message = data.get("message") if isinstance(data, dict) else None
+        if isinstance(message, dict):
+            text = str(message.get("message", ""))
+            detail = ": " + text.strip().splitlines()[-1] if text.strip() else ""
+        code = getattr(failure, "exitcode", "?")
+        signal = getattr(failure, "signal_name", lambda: "")()
+        how = f"killed by {signal}" if code is not None and code < 0 and signal else f"exit code {code}"
+        parts.append(f"rank {rank} {how}{detail} (log: {run_dir / 'logs' / f'rank-{rank}.log'})")
+    return "; ".join(parts) or str(exc).strip().splitlines()[0]

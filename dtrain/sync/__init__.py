@@ -1,0 +1,19 @@
+"""Strategies that keep replicas consistent, behind one protocol, picked by `distributed.strategy`."""
+
+from __future__ import annotations
+
+from dtrain.comm import Topology
+from dtrain.config import ExperimentConfig
+from dtrain.sync.allreduce import AllReduceStrategy
+from dtrain.sync.base import SyncStrategy
+
+__all__ = ["AllReduceStrategy", "SyncStrategy", "build_strategy"]
+
+
+def build_strategy(config: ExperimentConfig, topology: Topology) -> SyncStrategy:
+    """The strategy the config names, configured from its `distributed` and `optimizations` sections."""
+    name = config.distributed.strategy
+    if name == "allreduce":
+        return AllReduceStrategy(topology, bucket_cap_mb=config.optimizations.tensor_fusion_threshold,
+                                 find_unused_parameters=config.distributed.find_unused_parameters)
+    raise ValueError(f"strategy {name!r} is not built")  # check_buildable() refuses it before we get here

@@ -1,0 +1,1 @@
+"""Trial API, Trainer loop, checkpoints, run dirs and metrics."""

@@ -1,0 +1,143 @@
+"""The run directory: where a run's files live, how a new one is registered and an old one resumed.
+
+A run dir holds `config.yaml` (the resolved config), `run.json` (its ids in the store), `summary.json`,
+`checkpoints/`, `tensorboard/` and `logs/`. Starting `dtrain run` again on a run dir that holds an
+unfinished run of the same config resumes it; anything else is refused before a file is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dtrain.config import ExperimentConfig, dump_config
+from dtrain.errors import LaunchError
+from dtrain.train.store import RunStore
+
+CONFIG_FILE, RUN_FILE, SUMMARY_FILE = "config.yaml", "run.json", "summary.json"
+# Config sections that may change between a run and its resumption.
+RESUMABLE_CHANGES = ("debug", "max_restarts")
+
+
+def runs_root() -> Path:
+    """Root of default run dirs and of the store: $DTRAIN_RUNS_ROOT or ./runs."""
+    return Path(os.environ.get("DTRAIN_RUNS_ROOT", "runs"))
+
+
+def store_path() -> Path:
+    return runs_root() / "metrics.db"
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """Identity of a run: its directory and its ids in the store."""
+
+    run_dir: Path
+    experiment_id: int | None
+    trial_id: int | None
+    store: Path | None
+    resumed: bool
+    config_dir: Path  # directory of the experiment file: relative entrypoints and data paths start here
+
+    def to_json(self) -> dict[str, Any]:
+        return {"experiment_id": self.experiment_id, "trial_id": self.trial_id,
+                "store": str(self.store) if self.store else None, "config_dir": str(self.config_dir)}
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    tmp.replace(path)
+
+
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    path = run_dir / SUMMARY_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return None
+
+
+def _differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    keys = sorted(set(old) | set(new))
+    found = []
+    for key in keys:
+        dotted = f"{prefix}{key}"
+        if not prefix and key in RESUMABLE_CHANGES:
+            continue
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            found += _differences(a, b, dotted + ".")
+        elif a != b:
+            found.append(f"{dotted}: {a!r} -> {b!r}")
+    return found
+
+
+def prepare_run_dir(config: ExperimentConfig, run_dir: Path | None, config_dir: Path, *, register: bool = True
+                    ) -> RunInfo:
+    """Create or reopen a run dir; register a new run in the store when `register` (rank 0 / node 0 only)."""
+    config_dir = config_dir.resolve()
+    if run_dir is not None and (run_dir / CONFIG_FILE).is_file():
+        return _reopen(config, run_dir, config_dir)
+    if run_dir is not None and run_dir.exists() and any(run_dir.iterdir()):
+        raise LaunchError(f"--run-dir {run_dir} exists and is not empty but holds no dtrain run ({CONFIG_FILE} is "
+                          "missing); give a new or empty directory")
+    store: RunStore | None = None
+    experiment_id = trial_id = None
+    if register:
+        store = RunStore(store_path())
+        experiment_id = store.create_experiment(config.name, config.description, dump_config(config))
+    if run_dir is None:
+        run_dir = runs_root() / _safe_name(config.name) / str(experiment_id)
+    run_dir = run_dir.resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if store is not None and experiment_id is not None:
+        trial_id = store.create_trial(experiment_id, run_dir, config.hyperparameters, config.resources.world_size)
+        store.close()
+    (run_dir / CONFIG_FILE).write_text(dump_config(config))
+    info = RunInfo(run_dir=run_dir, experiment_id=experiment_id, trial_id=trial_id,
+                   store=store_path().resolve() if register else None, resumed=False, config_dir=config_dir)
+    write_json_atomic(run_dir / RUN_FILE, info.to_json())
+    return info
+
+
+def _reopen(config: ExperimentConfig, run_dir: Path, config_dir: Path) -> RunInfo:
+    summary = read_summary(run_dir)
+    if summary and summary.get("status") == "completed":
+        raise LaunchError(f"run dir {run_dir} holds a completed run; give a new --run-dir (nothing was changed)")
+    old = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
+    new = config.model_dump(mode="json")
+    changed = _differences(old, new)
+    if changed:
+        raise LaunchError(f"run dir {run_dir} holds a run with a different config ({'; '.join(changed[:3])}); "
+                          "resume it with the same config or give a new --run-dir (nothing was changed)")
+    ids: dict[str, Any] = {}
+    if (run_dir / RUN_FILE).is_file():
+        ids = json.loads((run_dir / RUN_FILE).read_text())
+    (run_dir / CONFIG_FILE).write_text(dump_config(config))
+    store = ids.get("store")
+    info = RunInfo(run_dir=run_dir.resolve(), experiment_id=ids.get("experiment_id"), trial_id=ids.get("trial_id"),
+                   store=Path(store) if store else None, resumed=True, config_dir=config_dir)
+    write_json_atomic(run_dir / RUN_FILE, info.to_json())
+    return info
+
+
+def load_run_info(run_dir: Path) -> RunInfo:
+    """The ids a prepared run dir records (workers read them; they never register)."""
+    ids = json.loads((run_dir / RUN_FILE).read_text()) if (run_dir / RUN_FILE).is_file() else {}
+    store = ids.get("store")
+    return RunInfo(run_dir=run_dir.resolve(), experiment_id=ids.get("experiment_id"), trial_id=ids.get("trial_id"),
+                   store=Path(store) if store else None, resumed=(run_dir / "checkpoints").is_dir(),
+                   config_dir=Path(ids.get("config_dir") or run_dir))
+
+
+def _safe_name(name: str) -> str:
+    cleaned = "".join(c if c.isalnum() or c in "-_." else "_" for c in name).strip("._")
+    return cleaned or "experiment"

@@ -1,0 +1,473 @@
+"""The training loop: sharded data, forward/backward through a sync strategy, validation, checkpoints.
+
+One Trainer runs in every worker process. It owns the loop so that a Trial only says what one batch
+means; every rank takes the same decisions at the same step (validate, report, checkpoint, stop), so
+collectives always line up.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from dtrain.comm import Topology, all_gather_object, all_reduce_sums, broadcast_object
+from dtrain.config import ExperimentConfig, Length
+from dtrain.data.arrays import keep_batch
+from dtrain.data.sharding import BatchSplit, ShardedBatchSampler, split_global_batch, validation_shard
+from dtrain.errors import TrialError
+from dtrain.sync import SyncStrategy, build_strategy
+from dtrain.train import checkpoint as ckpt
+from dtrain.train.metrics import MetricsWriter
+from dtrain.train.progress import Progress
+from dtrain.train.rng import capture_rng_state, restore_rng_state, seed_everything
+from dtrain.train.rundir import SUMMARY_FILE, RunInfo, write_json_atomic
+from dtrain.train.trial import Trial, TrialContext
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerState:
+    """Counters and history that a checkpoint carries so that a resumed run continues the same curve."""
+
+    steps_completed: int = 0
+    samples_trained: int = 0
+    wall_seconds: float = 0.0  # training time up to the last checkpoint, across restarts
+    training_seconds: float = 0.0  # the part of it spent in training steps (no validation or checkpoints)
+    validation_history: list[dict[str, Any]] = field(default_factory=list)
+    checkpoint_metrics: dict[int, float] = field(default_factory=dict)  # step -> searcher metric
+    resumes: int = 0  # times training continued from a checkpoint (after a crash or a stop)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"steps_completed": self.steps_completed, "samples_trained": self.samples_trained,
+                "wall_seconds": self.wall_seconds, "training_seconds": self.training_seconds,
+                "validation_history": self.validation_history,
+                "checkpoint_metrics": {str(k): v for k, v in self.checkpoint_metrics.items()},
+                "resumes": self.resumes}
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> TrainerState:
+        return cls(steps_completed=int(raw["steps_completed"]), samples_trained=int(raw["samples_trained"]),
+                   wall_seconds=float(raw["wall_seconds"]), training_seconds=float(raw["training_seconds"]),
+                   validation_history=list(raw["validation_history"]),
+                   checkpoint_metrics={int(k): float(v) for k, v in raw["checkpoint_metrics"].items()},
+                   resumes=int(raw.get("resumes", 0)))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Lengths of the run in batches, resolved once the training data's size is known."""
+
+    total_batches: int
+    batches_per_epoch: float
+    data_batches_per_epoch: int
+    validation_every: int
+    checkpoint_every: int
+
+    def epoch_of(self, step: int) -> float:
+        return step / self.batches_per_epoch
+
+
+def resolve_schedule(config: ExperimentConfig, num_records: int, split: BatchSplit) -> Schedule:
+    """Turn the config's lengths into batches; an epoch is records_per_epoch records, or one pass over the data."""
+    data_batches = num_records // split.global_batch_size
+    per_epoch = (config.records_per_epoch / split.global_batch_size if config.records_per_epoch
+                 else float(data_batches))
+
+    def batches(length: Length) -> int:
+        if length.unit == "epochs":
+            return math.ceil(length.value * per_epoch)
+        return length.to_batches(split.global_batch_size, config.records_per_epoch)
+
+    return Schedule(total_batches=batches(config.searcher.max_length), batches_per_epoch=per_epoch,
+                    data_batches_per_epoch=data_batches, validation_every=batches(config.min_validation_period),
+                    checkpoint_every=batches(config.min_checkpoint_period))
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """Tensors anywhere inside tuples, lists and dicts, moved to `device` (a no-op on the CPU)."""
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(item, device) for item in batch)
+    if isinstance(batch, dict):
+        return {key: move_to_device(value, device) for key, value in batch.items()}
+    return batch
+
+
+def batch_length(batch: Any) -> int:
+    """Records in a batch: the first dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, (list, tuple)) and batch:
+        return batch_length(batch[0])
+    if isinstance(batch, dict) and batch:
+        return batch_length(next(iter(batch.values())))
+    raise TrialError(f"cannot tell how many records a batch of type {type(batch).__name__} holds; "
+                     "return tensors, or tuples/dicts of tensors, from the dataset")
+
+
+def _scalar(name: str, value: Any, where: str) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TrialError(f"{where} returned `{name}` with shape {tuple(value.shape)}; return a scalar (a mean "
+                             "over the batch)")
+        return float(value.detach())
+    if isinstance(value, (int, float)):
+        return float(value)
+    raise TrialError(f"{where} returned `{name}` of type {type(value).__name__}; return tensors or floats")
+
+
+class Trainer:
+    """Runs one trial in this process, in lockstep with the other ranks."""
+
+    def __init__(self, *, config: ExperimentConfig, trial_class: type[Trial], topology: Topology,
+                 run_info: RunInfo, context_overrides: Mapping[str, Any] | None = None) -> None:
+        self.config = config
+        self.topology = topology
+        self.run_info = run_info
+        self.run_dir = run_info.run_dir
+        self.split = split_global_batch(config.global_batch_size, topology.world_size)
+        self.seed = config.reproducibility.experiment_seed
+        seed_everything(self.seed)  # identical initial weights on every rank
+        self.context = TrialContext(
+            hparams=config.hyperparameters, rank=topology.rank, world_size=topology.world_size,
+            local_rank=topology.local_rank, batch_split=self.split, device=topology.device, seed=self.seed,
+            data_config=config.data, run_dir=self.run_dir, config_dir=run_info.config_dir,
+            aggregation_frequency=config.optimizations.aggregation_frequency, **(context_overrides or {}))
+        self.trial = trial_class(self.context)
+        self.state = TrainerState()
+        self.status = "running"
+
+    # ------------------------------------------------------------------------------------------ set-up
+
+    def _build(self) -> None:
+        self.train_data = self._dataset(self.trial.build_training_data(), "build_training_data")
+        self.val_data = self._dataset(self.trial.build_validation_data(), "build_validation_data")
+        self.schedule = resolve_schedule(self.config, len(self.train_data), self.split)
+        self.context.batches_per_epoch = self.schedule.data_batches_per_epoch
+        self.context.total_batches = self.schedule.total_batches
+        model = self.trial.build_model()
+        if not isinstance(model, nn.Module):
+            raise TrialError(f"build_model() returned {type(model).__name__}; return a torch.nn.Module")
+        self.model = model.to(self.topology.device)
+        self.optimizer = self.trial.build_optimizer(self.model)
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TrialError(f"build_optimizer() returned {type(self.optimizer).__name__}; return a torch.optim.Optimizer")
+        self.scheduler = self.trial.build_lr_scheduler(self.optimizer)
+        self.strategy: SyncStrategy = build_strategy(self.config, self.topology)
+
+    @staticmethod
+    def _dataset(data: Any, where: str) -> Dataset:
+        if not hasattr(data, "__getitem__") or not hasattr(data, "__len__"):
+            raise TrialError(f"{where}() returned {type(data).__name__}; return a map-style torch Dataset "
+                             "(with __len__ and __getitem__)")
+        if len(data) == 0:
+            raise TrialError(f"{where}() returned an empty dataset")
+        return data
+
+    def _restore(self) -> bool:
+        """Load the latest complete checkpoint (read by rank 0, broadcast to the others); False if none."""
+        root = self.run_dir / "checkpoints"
+        payload = None
+        if self.topology.is_chief:
+            ckpt.remove_stale_partials(root)
+            ref = ckpt.find_resume_checkpoint(root)
+            if ref is not None:
+                model_state, state = ckpt.load_checkpoint(ref)
+                payload = (ref.step, model_state, state)
+        if self.topology.is_distributed:
+            step = broadcast_object(payload[0] if payload else None)
+            if step is None:
+                return False
+            payload = broadcast_object(payload)
+        if payload is None:
+            return False
+        step, model_state, state = payload
+        self.model.load_state_dict(model_state)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.strategy.load_state_dict(state.get("strategy", {}))
+        self.state = TrainerState.from_dict(state["trainer"])
+        self.state.resumes += 1
+        rng = state["rng"]
+        restore_rng_state(rng[self.topology.rank] if self.topology.rank < len(rng) else rng[0])
+        log.info("resumed from checkpoint step-%d", step)
+        return True
+
+    # ---------------------------------------------------------------------------------------- the loop
+
+    def fit(self) -> dict[str, Any]:
+        """Train to `searcher.max_length` (or the debug stop) and return the summary."""
+        self._build()
+        resumed = self._restore()
+        if not resumed:
+            seed_everything(self.seed * 1000 + 17 + self.topology.rank)  # each rank its own random stream
+        self.wrapped = self.strategy.wrap_model(self.model)
+        chief = self.topology.is_chief
+        self.metrics = MetricsWriter(store_path=self.run_info.store if chief else None,
+                                     trial_id=self.run_info.trial_id,
+                                     tensorboard_dir=self.run_dir / "tensorboard" if chief else None)
+        self.progress = Progress(self.schedule.total_batches, self.state.steps_completed,
+                                 self.split.global_batch_size, enabled=chief,
+                                 report_every=self.config.scheduling_unit)
+        self.metrics.status("running")
+        self._announce(resumed)
+        try:
+            self._loop(resumed)
+        finally:
+            self.progress.close()
+        summary = self._summary()
+        if chief:
+            write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
+            self.metrics.status(self.status, summary)
+        self.metrics.close()
+        self.strategy.close()
+        return summary
+
+    def _announce(self, resumed: bool) -> None:
+        s = self.schedule
+        how = f"resuming at batch {self.state.steps_completed}" if resumed else "starting"
+        self.progress.note(
+            f"{self.config.name}: {how}; {self.topology.world_size} worker(s) x {self.split.per_rank[0]} records = "
+            f"global batch {self.split.global_batch_size}; {s.total_batches} batches "
+            f"({s.total_batches / s.batches_per_epoch:.2f} epochs of {s.batches_per_epoch:g} batches)")
+
+    def _loop(self, resumed: bool) -> None:
+        s, state = self.schedule, self.state
+        k = self.config.optimizations.aggregation_frequency
+        loss_scale = self.topology.world_size * self.split.weight(self.topology.rank)
+        if self.config.optimizations.average_aggregated_gradients:
+            loss_scale /= k
+        stop_after = self.config.debug.stop_after_batch
+        timeline_start = time.perf_counter() - state.wall_seconds
+        train_time = state.training_seconds
+        sums: dict[str, float] = {}
+        if self.config.perform_initial_validation and not resumed and state.steps_completed == 0:
+            self._validate(0, timeline_start)
+        batches = self._training_batches(state.steps_completed)
+        while state.steps_completed < s.total_batches:
+            step_start = time.perf_counter()
+            step = state.steps_completed + 1
+            boundary = step % k == 0 or step == s.total_batches
+            batch = move_to_device(next(batches), self.topology.device)
+            self.wrapped.train()
+            with nullcontext() if boundary else self.strategy.no_sync():
+                outputs = self.trial.train_batch(batch, self.wrapped)
+                loss = self._loss(outputs)
+                (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+            if boundary:
+                self.strategy.step(self.optimizer)
+                self.optimizer.zero_grad(set_to_none=True)
+                if self.scheduler is not None:
+                    self.scheduler.step()
+            size = self.split.per_rank[self.topology.rank]
+            for name, value in outputs.items():
+                sums[name] = sums.get(name, 0.0) + _scalar(name, value, "train_batch()") * size
+            sums["__records"] = sums.get("__records", 0.0) + size
+            state.steps_completed = step
+            state.samples_trained += self.split.global_batch_size
+            train_time += time.perf_counter() - step_start
+            self.progress.update(step, s.epoch_of(step), float(loss.detach()))
+            last = step == s.total_batches
+            if step % self.config.scheduling_unit == 0 or last:
+                self._report_training(step, sums, timeline_start, train_time)
+                sums = {}
+            aside = time.perf_counter()
+            validated = False
+            if (s.validation_every and step % s.validation_every == 0) or last:
+                metric = self._validate(step, timeline_start)
+                validated = True
+            stopping = boundary and stop_after is not None and step >= stop_after and not last
+            if boundary and (self._checkpoint_due(step, validated, last) or stopping):
+                state.wall_seconds = time.perf_counter() - timeline_start
+                state.training_seconds = train_time
+                self._checkpoint(step, metric if validated else None)
+            self.progress.pause_clock(time.perf_counter() - aside)
+            if stopping:
+                self.status = "stopped"
+                self.progress.note(f"stopped after batch {step} as debug.stop_after_batch asks; run the same "
+                                   "command again to resume")
+                break
+        state.wall_seconds = time.perf_counter() - timeline_start
+        state.training_seconds = train_time
+        if self.status == "running":
+            self.status = "completed"
+
+    def _training_batches(self, start_step: int) -> Iterator[Any]:
+        """This rank's batches from `start_step` on, crossing epoch boundaries with a fresh shuffle each."""
+        per_epoch = self.schedule.data_batches_per_epoch
+        epoch, offset = divmod(start_step, per_epoch)
+        sampler = ShardedBatchSampler(len(self.train_data), self.split, self.topology.rank, self.seed, epoch, offset)
+        workers = self.config.data_loader.num_workers
+        loader = DataLoader(self.train_data, batch_sampler=sampler, num_workers=workers,
+                            collate_fn=keep_batch if getattr(self.train_data, "returns_batches", False) else None,
+                            persistent_workers=workers > 0, pin_memory=self.topology.device.type == "cuda",
+                            generator=torch.Generator().manual_seed(self.seed))
+        while True:
+            yield from loader
+            sampler.epoch += 1
+            sampler.start_batch = 0
+
+    @staticmethod
+    def _loss(outputs: Any) -> torch.Tensor:
+        if not isinstance(outputs, Mapping) or "loss" not in outputs:
+            raise TrialError(f"train_batch() returned {type(outputs).__name__}{'' if not isinstance(outputs, Mapping) else ' without loss'}; "
+                             "return a dict with a scalar tensor `loss`")
+        loss = outputs["loss"]
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise TrialError("train_batch()'s `loss` must be a scalar tensor that requires grad (the mean loss of "
+                             "the batch, computed from the model's output)")
+        return loss
+
+    # --------------------------------------------------------------------------- metrics and validation
+
+    def _report_training(self, step: int, sums: dict[str, float], timeline_start: float, train_time: float) -> None:
+        reduced = all_reduce_sums(sums)
+        records = reduced.pop("__records", 0.0)
+        values = {name: value / records for name, value in reduced.items()} if records else {}
+        values["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        values["global_batch_size"] = float(self.split.global_batch_size)
+        values["samples_per_second"] = self.state.samples_trained / train_time if train_time > 0 else 0.0
+        if self.topology.is_chief:
+            self.metrics.training(step, self.schedule.epoch_of(step), time.perf_counter() - timeline_start, values)
+            self.metrics.flush()
+
+    def _validate(self, step: int, timeline_start: float) -> float | None:
+        """Evaluate this rank's shard, average over all ranks weighted by records; return the searcher metric."""
+        started = time.perf_counter()
+        model = self.strategy.unwrap_model() if hasattr(self, "wrapped") else self.model
+        model.eval()
+        shard = validation_shard(len(self.val_data), self.topology.rank, self.topology.world_size)
+        batch_size = self.config.data_loader.validation_batch_size or max(self.split.per_rank[self.topology.rank], 1)
+        batched = getattr(self.val_data, "returns_batches", False)
+        sums: dict[str, float] = {"__records": 0.0}
+        with torch.no_grad():
+            for first in range(shard.start, shard.stop, batch_size):
+                indices = list(range(first, min(first + batch_size, shard.stop)))
+                if batched:
+                    batch = self.val_data.__getitems__(indices)  # type: ignore[attr-defined]
+                else:
+                    batch = torch.utils.data.default_collate([self.val_data[i] for i in indices])
+                batch = move_to_device(batch, self.topology.device)
+                outputs = self.trial.evaluate_batch(batch, model)
+                if not isinstance(outputs, Mapping) or not outputs:
+                    raise TrialError("evaluate_batch() must return a non-empty dict {metric name: batch mean}")
+                size = batch_length(batch)
+                for name, value in outputs.items():
+                    sums[name] = sums.get(name, 0.0) + _scalar(name, value, "evaluate_batch()") * size
+                sums["__records"] += size
+        names = all_gather_object(sorted(sums)) if self.topology.is_distributed else [sorted(sums)]
+        for name in set().union(*names):
+            sums.setdefault(name, 0.0)
+        reduced = all_reduce_sums(sums)
+        records = reduced.pop("__records")
+        metrics = {name: value / records for name, value in reduced.items()}
+        wall = time.perf_counter() - timeline_start
+        epoch = self.schedule.epoch_of(step)
+        self.state.validation_history.append({"step": step, "epoch": epoch, "wall_seconds": wall, "metrics": metrics})
+        if self.topology.is_chief:
+            self.metrics.validation(step, epoch, wall, metrics)
+            shown = " ".join(f"{name}={value:.4f}" for name, value in sorted(metrics.items()))
+            self.progress.note(f"validation at batch {step} (epoch {epoch:.2f}, {wall:.0f} s): {shown} "
+                               f"[{time.perf_counter() - started:.1f} s]")
+        return self._searcher_metric(metrics)
+
+    def _searcher_metric(self, metrics: Mapping[str, float]) -> float | None:
+        name = self.config.searcher.metric
+        for candidate in (name, name.removeprefix("validation_")):
+            if candidate in metrics:
+                return metrics[candidate]
+        if not getattr(self, "_metric_warned", False):
+            self._metric_warned = True
+            log.warning("searcher.metric %r is not among the validation metrics %s; best-checkpoint selection "
+                        "keeps the latest ones", name, sorted(metrics))
+        return None
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+
+    def _checkpoint_due(self, step: int, validated: bool, last: bool) -> bool:
+        every = self.schedule.checkpoint_every
+        if last or (every and step % every == 0):
+            return True
+        if not validated:
+            return False
+        policy = self.config.checkpoint_policy
+        if policy == "all":
+            return True
+        if policy == "best":
+            metric = self._searcher_metric(self.state.validation_history[-1]["metrics"])
+            return metric is not None and self._is_best(metric)
+        return False
+
+    def _is_best(self, metric: float) -> bool:
+        previous = [v["metrics"] for v in self.state.validation_history[:-1]]
+        earlier = [m for m in (self._searcher_metric(p) for p in previous) if m is not None]
+        if not earlier:
+            return True
+        better = min if self.config.searcher.smaller_is_better else max
+        return better(earlier + [metric]) == metric and metric not in earlier
+
+    def _checkpoint(self, step: int, metric: float | None) -> None:
+        rng_states = all_gather_object(capture_rng_state())
+        if metric is not None:
+            self.state.checkpoint_metrics[step] = metric
+        if not self.topology.is_chief:
+            return
+        started = time.perf_counter()
+        state = {"optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                 "strategy": self.strategy.state_dict(), "trainer": self.state.to_dict(), "rng": rng_states}
+        root = self.run_dir / "checkpoints"
+        ref = ckpt.write_checkpoint(root, step, self.strategy.unwrap_model().state_dict(), state,
+                                    extra_meta={"world_size": self.topology.world_size,
+                                                "epoch": self.schedule.epoch_of(step)})
+        self._latest_checkpoint = ref
+        ckpt.prune_checkpoints(root, self.config.checkpoint_storage.save_trial_latest, self._best_steps())
+        log.info("checkpoint %s written in %.2f s", ref.path, time.perf_counter() - started)
+
+    def _best_steps(self) -> set[int]:
+        keep = self.config.checkpoint_storage.save_trial_best
+        if not keep or not self.state.checkpoint_metrics:
+            return set()
+        ordered = sorted(self.state.checkpoint_metrics.items(), key=lambda item: item[1],
+                         reverse=not self.config.searcher.smaller_is_better)
+        return {step for step, _ in ordered[:keep]}
+
+    # ---------------------------------------------------------------------------------------------- end
+
+    def _summary(self) -> dict[str, Any]:
+        state = self.state
+        history = state.validation_history
+        ref = getattr(self, "_latest_checkpoint", None)
+        if ref is None and self.topology.is_chief:
+            ref = ckpt.find_resume_checkpoint(self.run_dir / "checkpoints")
+        return {
+            "status": self.status,
+            "world_size": self.topology.world_size,
+            "global_batch_size": self.split.global_batch_size,
+            "per_slot_batch_size": self.split.per_rank[0],
+            "per_rank_batch_sizes": list(self.split.per_rank),
+            "steps_completed": state.steps_completed,
+            "epochs_completed": state.steps_completed / self.schedule.batches_per_epoch,
+            "samples_per_second": state.samples_trained / state.training_seconds if state.training_seconds else 0.0,
+            "wall_seconds": state.wall_seconds,
+            "validation": history[-1]["metrics"] if history else {},
+            "validation_history": history,
+            "checkpoint": str(ref.model_path) if ref is not None else None,
+            "restarts": self.topology.restart_count,
+            "resumes": state.resumes,
+            "tensorboard": str(self.run_dir / "tensorboard"),
+        }

@@ -1,0 +1,161 @@
+"""One worker process: `python -m dtrain.worker --run-dir DIR [CONFIG] [--set key=value ...]`.
+
+`dtrain run` starts one per slot through torchrun's elastic agent, after it has prepared DIR. The same
+entry also runs under a plain `torchrun ... -m dtrain.worker CONFIG --run-dir DIR` or under Slurm's
+`srun`; then it prepares DIR itself (local rank 0 of each node). A user error (bad data, a broken Trial)
+is written to DIR/fatal-error.json and exits with code 2, so that the agent's restarts end at once
+instead of repeating it; any other failure exits non-zero and the agent restarts the workers, which
+resume from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+FATAL_FILE = "fatal-error.json"
+FATAL_EXIT_CODE = 2
+
+
+def _launch_id() -> str:
+    return os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or "local"
+
+
+def read_fatal(run_dir: Path, launch_id: str | None = None) -> dict[str, object] | None:
+    """The user error that a worker of this launch (or of `launch_id`) recorded, if any."""
+    path = run_dir / FATAL_FILE
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if record.get("launch") == (launch_id or _launch_id()) else None
+
+
+def _write_fatal(run_dir: Path, message: str, rank: int) -> None:
+    path = run_dir / FATAL_FILE
+    tmp = path.with_name(f".{FATAL_FILE}.{os.getpid()}")
+    tmp.write_text(json.dumps({"launch": _launch_id(), "rank": rank, "message": message}))
+    if not path.exists() or read_fatal(run_dir) is None:
+        tmp.replace(path)
+    else:
+        tmp.unlink(missing_ok=True)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m dtrain.worker",
+                                     description="Run one dtrain worker (started by dtrain run, torchrun or srun).")
+    parser.add_argument("config", nargs="?", help="experiment YAML (omit when DIR was prepared by `dtrain run`)")
+    parser.add_argument("--run-dir", required=True, type=Path, help="the run directory shared by all workers")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key (only with CONFIG)")
+    return parser.parse_args(argv)
+
+
+def _setup_logging(run_dir: Path, rank: int) -> None:
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = logs / f"rank-{rank}.log"
+    if rank != 0:  # everything a non-chief rank prints, C++ warnings included, goes to its file
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    handler = logging.FileHandler(log_path)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    root.addHandler(handler)
+    if rank == 0:
+        from dtrain.train.progress import ConsoleHandler
+
+        root.addHandler(ConsoleHandler(logging.WARNING))
+    for noisy in ("torch.distributed", "torch.nn.parallel"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _threads_per_worker() -> int:
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return int(os.environ["OMP_NUM_THREADS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Prepare this process, train, and return the exit code."""
+    import torch
+
+    from dtrain.comm import barrier, init_distributed, read_launch_env
+    from dtrain.config import check_buildable, load_config, read_yaml
+    from dtrain.train.entrypoint import load_trial_class
+    from dtrain.train.rundir import CONFIG_FILE, load_run_info, prepare_run_dir
+    from dtrain.train.trainer import Trainer
+
+    run_dir: Path = args.run_dir
+    launch = read_launch_env()
+    if args.config is not None:
+        loaded = load_config(args.config, args.overrides)
+    else:
+        if not (run_dir / CONFIG_FILE).is_file():
+            from dtrain.errors import LaunchError
+
+            raise LaunchError(f"{run_dir / CONFIG_FILE} does not exist; pass the experiment YAML as CONFIG")
+        loaded = load_config(None, raw=read_yaml(run_dir / CONFIG_FILE))
+    config = loaded.config
+    check_buildable(config)
+    torch.set_num_threads(_threads_per_worker())
+    topology = init_distributed(backend=config.distributed.backend, timeout_seconds=config.distributed.timeout_seconds)
+    if args.config is not None:
+        if launch.local_rank == 0:
+            prepare_run_dir(config, run_dir, loaded.base_dir, register=launch.node_rank == 0)
+        barrier()
+    _setup_logging(run_dir, topology.rank)
+    if topology.is_chief:
+        for warning in loaded.warnings if args.config is not None else []:
+            logging.getLogger("dtrain").warning(warning)
+    run_info = load_run_info(run_dir)
+    if topology.world_size != config.resources.world_size and topology.is_chief:
+        logging.getLogger("dtrain").warning("running with %d workers where resources.slots_per_trial says %d; "
+                                            "the global batch is split over %d", topology.world_size,
+                                            config.resources.world_size, topology.world_size)
+    trial_class = load_trial_class(config.entrypoint, run_info.config_dir)
+    trainer = Trainer(config=config, trial_class=trial_class, topology=topology, run_info=run_info)
+    trainer.fit()
+    barrier()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    earlier = read_fatal(args.run_dir)
+    if earlier is not None:  # a restart after a user error: fail fast, the error will not go away
+        return FATAL_EXIT_CODE
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from dtrain.errors import DtrainError
+
+    @record
+    def guarded() -> int:
+        try:
+            return run_worker(args)
+        except DtrainError as exc:
+            rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+            logging.getLogger("dtrain").error("%s", exc, extra={"console": False})
+            if args.run_dir.is_dir():
+                _write_fatal(args.run_dir, str(exc), rank)
+            if "DTRAIN_LAUNCHER" not in os.environ:  # `dtrain run` prints it from fatal-error.json itself
+                print(f"dtrain: error: {exc}", file=sys.stderr, flush=True)
+            return FATAL_EXIT_CODE
+
+    code = guarded()
+    from dtrain.comm import shutdown_distributed
+
+    shutdown_distributed()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
