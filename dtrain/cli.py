@@ -16,6 +16,7 @@ from dtrain import __version__
 from dtrain.errors import DtrainError
 
 EXIT_FAILED, EXIT_USER_ERROR, EXIT_STOPPED, EXIT_INTERRUPTED = 1, 2, 3, 130
+_SUBPARSERS: dict[str, argparse.ArgumentParser] = {}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("id", type=int, help="experiment id (first column of `dtrain experiments list`)")
     show.add_argument("--json", action="store_true", help="print JSON instead of text")
     show.set_defaults(handler=_cmd_experiments_show)
+    _SUBPARSERS.update(run=run, experiments=experiments)
     return parser
 
 
@@ -73,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handler = getattr(args, "handler", None)
     if handler is None:
-        (parser if args.command is None else parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
-         ).print_help()
+        helper = parser if args.command is None else _SUBPARSERS[args.command]
+        helper.print_help()
         return EXIT_USER_ERROR
     try:
         return int(handler(args))

@@ -7,6 +7,7 @@ classic experiment file runs unchanged; any other unknown key is rejected with t
 
 from __future__ import annotations
 
+import copy
 import difflib
 import math
 import re
@@ -74,7 +75,7 @@ class Resources(_Section):
 
 
 class Searcher(_Section):
-    name: Literal["single"] = "single"
+    name: Literal["single", "random", "grid", "adaptive_asha", "async_halving"] = "single"
     metric: str = "validation_loss"
     smaller_is_better: bool = True
     max_length: Length
@@ -214,7 +215,8 @@ def _constant_hparam(name: str, spec: Any) -> Any:
                 raise ValueError(f"hyperparameters.{name} has `type: const` without `val`; add e.g. `val: 0.1`")
             return spec["val"]
         raise ValueError(f"hyperparameters.{name} has `type: {kind}`, a search space, but searcher `single` trains "
-                         "one trial; give a constant (e.g. `{name}: 0.1`) - hyperparameter search is not built yet")
+                         f"one trial; give a constant (e.g. `{name.split('.')[-1]}: 0.1`) - hyperparameter search "
+                         "is not built yet")
     if isinstance(spec, Mapping):
         return {key: _constant_hparam(f"{name}.{key}", value) for key, value in spec.items()}
     return spec
@@ -328,7 +330,7 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = (), raw: dic
                 ) -> LoadedConfig:
     """Read, override and validate an experiment config; raise `ConfigError` with one line on any problem."""
     source = Path(path) if path is not None else None
-    data = dict(raw) if raw is not None else read_yaml(source)  # type: ignore[arg-type]
+    data = copy.deepcopy(raw) if raw is not None else read_yaml(source)  # type: ignore[arg-type]
     override_keys = []
     for text in overrides:
         key, value = parse_override(text)
@@ -405,9 +407,14 @@ def _explain_one(error: Any, data: dict[str, Any], override_keys: list[str]) -> 
         hint = f"did you mean `{near[0]}`?" if near else f"use one of: {', '.join(choices)}"
         return f"`{dotted}` = {shown}{origin} must be one of {', '.join(choices)}; {hint}"
     if kind.startswith(("int_", "float_", "bool_", "string_", "dict_", "list_", "model_")):
+        family = kind.split("_")[0]
         wanted = {"int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
-                  "dict": "a mapping of keys", "list": "a list", "model": "a section of keys"}[kind.split("_")[0]]
-        return f"`{dotted}` = {shown}{origin} must be {wanted}; write e.g. {_example(loc)}"
+                  "dict": "a mapping of keys", "list": "a list", "model": "a section of keys"}[family]
+        if family == "model" and loc and loc[-1] not in _EXAMPLES:
+            return (f"`{dotted}` = {shown}{origin} must be a section of keys; write its keys indented under "
+                    f"`{loc[-1]}:` (valid: {', '.join(_fields_at(loc))})")
+        example = f"`{loc[-1]}: true`" if family == "bool" and loc else _example(loc)
+        return f"`{dotted}` = {shown}{origin} must be {wanted}; write e.g. {example}"
     return f"`{dotted}` = {shown}{origin} is invalid: {error['msg']}; check its documented type in the README"
 
 
@@ -469,6 +476,7 @@ _NOT_BUILT_YET: list[tuple[str, Any, str]] = [
     ("optimizations.gradient_compression", False, "gradient compression is not built yet"),
     ("optimizations.auto_tune_tensor_fusion", False, "fusion auto-tuning is not built yet"),
     ("optimizations.mixed_precision", "O0", "mixed precision is not built yet"),
+    ("searcher.name", "single", "hyperparameter search is not built yet; one trial runs per experiment"),
     ("large_batch.optimizer", "trial", "the large-batch optimizers are not built yet"),
     ("large_batch.lr_scaling", "none", "learning-rate scaling is not built yet"),
     ("large_batch.warmup_epochs", 0.0, "learning-rate warm-up is not built yet"),

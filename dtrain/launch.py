@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from dtrain.comm.topology import bind_loopback
 from dtrain.config import ExperimentConfig
 from dtrain.errors import LaunchError
 from dtrain.worker import FATAL_EXIT_CODE, FATAL_FILE, read_fatal
@@ -73,8 +74,11 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
     node.validate(world)
     nproc = world // node.nnodes
     local = node.nnodes == 1 and node.rdzv_endpoint is None
+    keep_alive: list[object] = []
     if local:
-        backend, endpoint, rdzv_configs = "c10d", f"{node.master_addr}:{node.master_port or 0}", {}
+        endpoint = _loopback_rendezvous(node.master_port, keep_alive)
+        backend, rdzv_configs = "c10d", dict[str, object](is_host=True)
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # workers host their own store, on loopback
     elif node.rdzv_endpoint is not None:
         backend, endpoint, rdzv_configs = "c10d", node.rdzv_endpoint, {}
     else:
@@ -85,7 +89,7 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
     launch_config = LaunchConfig(
         min_nodes=node.nnodes, max_nodes=node.nnodes, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs, max_restarts=config.max_restarts,
-        monitor_interval=0.2, local_addr=node.master_addr if local else None,
+        monitor_interval=0.2, local_addr="127.0.0.1" if local else None,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "agent")))
     for noisy in ("torch.distributed.elastic", "torch.distributed.launcher"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
@@ -100,6 +104,23 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
     return LaunchResult(0)
 
 
+def _loopback_rendezvous(port: int | None, keep_alive: list[object]) -> str:
+    """Host the rendezvous store on 127.0.0.1 before the agent asks for it.
+
+    TCPStore cannot be told which address to bind, but it accepts a listening socket, and a multi-tenant
+    store on the same port in the same process reuses that server; so the agent's own store ends up
+    listening on loopback only.
+    """
+    import torch.distributed as dist
+
+    listener = bind_loopback(port or 0)
+    chosen = listener.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", chosen, is_master=True, multi_tenant=True, wait_for_workers=False,
+                          master_listen_fd=listener.fileno())
+    keep_alive += [listener, store]
+    return f"127.0.0.1:{chosen}"
+
+
 def _describe_failure(exc: Exception, run_dir: Path) -> str:
     failures = getattr(exc, "failures", {}) or {}
     parts = []
@@ -110,8 +131,8 @@ def _describe_failure(exc: Exception, run_dir: Path) -> str:
         if isinstance(message, dict):
             text = str(message.get("message", ""))
             detail = ": " + text.strip().splitlines()[-1] if text.strip() else ""
-        code = getattr(failure, "exitcode", "?")
+        code = getattr(failure, "exitcode", None)
         signal = getattr(failure, "signal_name", lambda: "")()
-        how = f"killed by {signal}" if code is not None and code < 0 and signal else f"exit code {code}"
+        how = f"killed by {signal}" if isinstance(code, int) and code < 0 and signal else f"exit code {code}"
         parts.append(f"rank {rank} {how}{detail} (log: {run_dir / 'logs' / f'rank-{rank}.log'})")
     return "; ".join(parts) or str(exc).strip().splitlines()[0]

@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"dtrain: error: {exc}", file=sys.stderr, flush=True)
             return FATAL_EXIT_CODE
 
-    code = guarded()
+    code: int = guarded() or 0
     from dtrain.comm import shutdown_distributed
 
     shutdown_distributed()

@@ -8,6 +8,7 @@ to a single process.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -129,10 +130,43 @@ def init_distributed(*, backend: str = "auto", timeout_seconds: float = 600.0,
             if launch.launcher == "slurm":
                 os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size),
                                   LOCAL_RANK=str(launch.local_rank))
-            dist.init_process_group(chosen, rank=launch.rank, world_size=launch.world_size, timeout=timeout)
+            store = _loopback_store(launch, timeout) if _owns_loopback_store(launch, environ) else None
+            dist.init_process_group(chosen, store=store, rank=launch.rank, world_size=launch.world_size,
+                                    timeout=timeout)
     return Topology(rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank,
                     local_world_size=launch.local_world_size, node_rank=launch.node_rank, backend=chosen,
                     device=device, launcher=launch.launcher, restart_count=launch.restart_count)
+
+
+def _owns_loopback_store(launch: LaunchEnv, environ: Mapping[str, str] | None) -> bool:
+    """True when the workers host their own store on a loopback master (not torchrun's shared agent store)."""
+    env = os.environ if environ is None else environ
+    return (launch.master_addr in LOOPBACK_HOSTS and launch.master_port is not None
+            and env.get("TORCHELASTIC_USE_AGENT_STORE", "False") != "True")
+
+
+def _loopback_store(launch: LaunchEnv, timeout: timedelta) -> dist.TCPStore:
+    """The workers' key-value store, its server bound to 127.0.0.1 only (TCPStore binds to every interface)."""
+    assert launch.master_port is not None
+    if launch.rank != 0:
+        return dist.TCPStore("127.0.0.1", launch.master_port, launch.world_size, is_master=False, timeout=timeout)
+    listener = bind_loopback(launch.master_port)
+    store = dist.TCPStore("127.0.0.1", launch.master_port, launch.world_size, is_master=True, timeout=timeout,
+                          master_listen_fd=listener.fileno(), wait_for_workers=False)
+    _KEEP_ALIVE.append(listener)
+    return store
+
+
+_KEEP_ALIVE: list[socket.socket] = []
+
+
+def bind_loopback(port: int = 0) -> socket.socket:
+    """A listening TCP socket on 127.0.0.1 (port 0 picks a free one)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(512)
+    return listener
 
 
 def shutdown_distributed() -> None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import gzip
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from dtrain.errors import DataError
 
-_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
+_DTYPES: dict[int, Any] = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
            0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
 
 

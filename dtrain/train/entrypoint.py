@@ -22,12 +22,14 @@ def load_trial_class(entrypoint: str, base_dir: Path) -> type[Trial]:
         module = _import_file(Path(target), base_dir, entrypoint)
     else:
         module = _import_module(target, base_dir, entrypoint)
+    module_name = getattr(module, "__name__", target)
     obj: object = module
     for part in qualname.split("."):
         if not hasattr(obj, part):
-            names = [n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, Trial) and v is not Trial]
+            names = [n for n, v in vars(module).items()
+                     if isinstance(v, type) and issubclass(v, Trial) and v is not Trial]
             hint = f"Trial classes there: {', '.join(names)}" if names else "it defines no Trial subclass"
-            raise TrialError(f"entrypoint {entrypoint!r}: {module.__name__} has no attribute `{qualname}`; {hint}")
+            raise TrialError(f"entrypoint {entrypoint!r}: {module_name} has no attribute `{qualname}`; {hint}")
         obj = getattr(obj, part)
     if not (isinstance(obj, type) and issubclass(obj, Trial)):
         raise TrialError(f"entrypoint {entrypoint!r} names {obj!r}, which is not a subclass of dtrain.Trial; "

@@ -16,7 +16,7 @@ class MetricsWriter:
 
     def __init__(self, *, store_path: Path | None, trial_id: int | None, tensorboard_dir: Path | None) -> None:
         self._store = RunStore(store_path) if store_path is not None and trial_id is not None else None
-        self._trial_id = trial_id
+        self._trial_id = trial_id if trial_id is not None else -1
         self._tb = None
         if tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter

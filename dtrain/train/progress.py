@@ -36,8 +36,8 @@ class Progress:
             return
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
-            self._bar.set_postfix_str(f"epoch {epoch:.2f} loss {loss:.4f} {self.samples_per_second(step):,.0f} samples/s",
-                                      refresh=False)
+            rate = self.samples_per_second(step)
+            self._bar.set_postfix_str(f"epoch {epoch:.2f} loss {loss:.4f} {rate:,.0f} samples/s", refresh=False)
         elif step % self.report_every == 0 or step == self.total:
             self.note(f"batch {step}/{self.total} epoch {epoch:.2f} loss {loss:.4f} "
                       f"{self.samples_per_second(step):,.0f} samples/s")

@@ -126,7 +126,9 @@ class RunStore:
         rows = self._conn.execute(
             "SELECT id, experiment_id, run_dir, status, world_size, started_at, ended_at, summary FROM trials "
             "WHERE experiment_id=? ORDER BY id", (experiment_id,)).fetchall()
-        return [TrialRow(*row[:7], summary=json.loads(row[7]) if row[7] else None) for row in rows]
+        return [TrialRow(id=row[0], experiment_id=row[1], run_dir=row[2], status=row[3], world_size=row[4],
+                         started_at=row[5], ended_at=row[6], summary=json.loads(row[7]) if row[7] else None)
+                for row in rows]
 
     def metric_series(self, trial_id: int, kind: str) -> dict[str, list[tuple[int, float]]]:
         """Every metric of a kind as name -> [(step, value), ...] in step order; a step trained again after a

@@ -13,11 +13,11 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from dtrain.comm import Topology, all_gather_object, all_reduce_sums, broadcast_object
 from dtrain.config import ExperimentConfig, Length
@@ -33,6 +33,14 @@ from dtrain.train.rundir import SUMMARY_FILE, RunInfo, write_json_atomic
 from dtrain.train.trial import Trial, TrialContext
 
 log = logging.getLogger(__name__)
+
+
+class SizedDataset(Protocol):
+    """A map-style dataset: what the Trainer needs from the Trial's data."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
 
 
 @dataclass
@@ -164,12 +172,13 @@ class Trainer:
         self.model = model.to(self.topology.device)
         self.optimizer = self.trial.build_optimizer(self.model)
         if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise TrialError(f"build_optimizer() returned {type(self.optimizer).__name__}; return a torch.optim.Optimizer")
+            raise TrialError(f"build_optimizer() returned {type(self.optimizer).__name__}; "
+                             "return a torch.optim.Optimizer")
         self.scheduler = self.trial.build_lr_scheduler(self.optimizer)
         self.strategy: SyncStrategy = build_strategy(self.config, self.topology)
 
     @staticmethod
-    def _dataset(data: Any, where: str) -> Dataset:
+    def _dataset(data: Any, where: str) -> SizedDataset:
         if not hasattr(data, "__getitem__") or not hasattr(data, "__len__"):
             raise TrialError(f"{where}() returned {type(data).__name__}; return a map-style torch Dataset "
                              "(with __len__ and __getitem__)")
@@ -312,10 +321,11 @@ class Trainer:
         epoch, offset = divmod(start_step, per_epoch)
         sampler = ShardedBatchSampler(len(self.train_data), self.split, self.topology.rank, self.seed, epoch, offset)
         workers = self.config.data_loader.num_workers
-        loader = DataLoader(self.train_data, batch_sampler=sampler, num_workers=workers,
-                            collate_fn=keep_batch if getattr(self.train_data, "returns_batches", False) else None,
-                            persistent_workers=workers > 0, pin_memory=self.topology.device.type == "cuda",
-                            generator=torch.Generator().manual_seed(self.seed))
+        collate = keep_batch if getattr(self.train_data, "returns_batches", False) else None
+        loader: DataLoader[Any] = DataLoader(
+            self.train_data, batch_sampler=sampler, num_workers=workers, collate_fn=collate,  # type: ignore[arg-type]
+            persistent_workers=workers > 0, pin_memory=self.topology.device.type == "cuda",
+            generator=torch.Generator().manual_seed(self.seed))
         while True:
             yield from loader
             sampler.epoch += 1
@@ -324,8 +334,8 @@ class Trainer:
     @staticmethod
     def _loss(outputs: Any) -> torch.Tensor:
         if not isinstance(outputs, Mapping) or "loss" not in outputs:
-            raise TrialError(f"train_batch() returned {type(outputs).__name__}{'' if not isinstance(outputs, Mapping) else ' without loss'}; "
-                             "return a dict with a scalar tensor `loss`")
+            what = "a dict without `loss`" if isinstance(outputs, Mapping) else type(outputs).__name__
+            raise TrialError(f"train_batch() returned {what}; return a dict with a scalar tensor `loss`")
         loss = outputs["loss"]
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise TrialError("train_batch()'s `loss` must be a scalar tensor that requires grad (the mean loss of "

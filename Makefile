@@ -1,0 +1,56 @@
+# dtrain: `make demo` trains the Fashion-MNIST demo on 2 workers; `make test` runs the test suite.
+# Both set up .venv first (idempotent): torch 2.13.0 CPU, dtrain in editable mode with dev extras, and the
+# Fashion-MNIST data from Debian's dataset-fashion-mnist package when apt and root are available.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.dtrain-setup
+DATA_DIR := /usr/share/datasets/fashion-mnist
+
+.PHONY: setup data demo test test-unit test-distributed bench lint clean
+
+setup: $(STAMP) data
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+data:
+	@if [ -f $(DATA_DIR)/train-images-idx3-ubyte.gz ]; then \
+		echo "Fashion-MNIST: $(DATA_DIR)"; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q dataset-fashion-mnist >/dev/null; } \
+		&& echo "Fashion-MNIST: installed into $(DATA_DIR)"; \
+	else \
+		echo "Fashion-MNIST is not installed. As root: apt-get install dataset-fashion-mnist;"; \
+		echo "or copy the four IDX .gz files into ~/.cache/dtrain/fashion-mnist (or set DTRAIN_FASHION_MNIST);"; \
+		echo "or set data.download: true in the experiment file where the internet is reachable."; \
+	fi
+
+demo: setup
+	$(VENV)/bin/dtrain run examples/fashion_mnist/distributed.yaml
+
+test: setup
+	$(PY) -m pytest tests/unit -q
+	$(PY) -m pytest tests/distributed -q
+
+test-unit: setup
+	$(PY) -m pytest tests/unit -q
+
+test-distributed: setup
+	$(PY) -m pytest tests/distributed -q
+
+bench: setup
+	$(PY) benchmarks/demo_vs_ddp.py
+
+lint: setup
+	$(VENV)/bin/ruff check dtrain tests benchmarks examples
+	$(VENV)/bin/mypy dtrain --ignore-missing-imports
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

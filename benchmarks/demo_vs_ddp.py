@@ -1,0 +1,189 @@
+"""Does the framework cost anything? The demo through dtrain against a plain hand-written torch DDP loop.
+
+Both train the demo's CNN with the demo's schedule (examples/fashion_mnist/distributed.yaml: 2 workers,
+global batch 256, SGD + Nesterov, one-cycle over 8 epochs, validation every epoch, a checkpoint every 2
+epochs) and are run alternately (A B B A ...) in one session. The figure is the training wall time until
+the first validation at or above the target accuracy (91%), measured by each from the start of its
+training loop; the headline is the ratio of the medians, dtrain / hand-written.
+
+The hand-written loop is what a DDP user writes today: TensorDataset + DistributedSampler + DataLoader,
+DDP with its defaults, OneCycleLR, evaluation sharded over the ranks with an all-reduce of the counts,
+torch.save of model and optimizer on rank 0.
+
+    python benchmarks/demo_vs_ddp.py            # 2 pairs, about 12 minutes
+    python benchmarks/demo_vs_ddp.py --quick    # 1 pair of 3-epoch runs, target 88%
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "examples" / "fashion_mnist"))
+
+CONFIG = REPO / "examples" / "fashion_mnist" / "distributed.yaml"
+
+
+# ------------------------------------------------------------------------------ the hand-written loop
+
+
+def hand_written_worker(epochs: int, out: Path, checkpoint_dir: Path) -> None:
+    """Runs in each torchrun process: the plain DDP training loop."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import yaml
+    from model_def import build_cnn
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    from dtrain.data import load_fashion_mnist
+
+    hp = yaml.safe_load(CONFIG.read_text())["hyperparameters"]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    train_images, train_labels = load_fashion_mnist("train").tensors
+    test_images, test_labels = load_fashion_mnist("test").tensors
+    per_rank = hp["global_batch_size"] // world
+    sampler = DistributedSampler(TensorDataset(train_images, train_labels), shuffle=True, seed=0, drop_last=True)
+    loader = DataLoader(TensorDataset(train_images, train_labels), batch_size=per_rank, sampler=sampler,
+                        drop_last=True)
+    model = DistributedDataParallel(build_cnn())
+    optimizer = torch.optim.SGD(model.parameters(), lr=hp["learning_rate"], momentum=hp["momentum"], nesterov=True,
+                                weight_decay=hp["weight_decay"])
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=hp["learning_rate"],
+                                                    total_steps=len(loader) * epochs,
+                                                    pct_start=hp["warmup_fraction"])
+    history = []
+    start = time.perf_counter()
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        model.train()
+        for images, labels in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(model(images), labels).backward()
+            optimizer.step()
+            scheduler.step()
+        model.eval()
+        shard = len(test_images) // world
+        counts = torch.zeros(2, dtype=torch.float64)
+        with torch.no_grad():
+            for first in range(rank * shard, (rank + 1) * shard, per_rank):
+                last = min(first + per_rank, (rank + 1) * shard)
+                logits = model.module(test_images[first:last])
+                counts += torch.tensor([(logits.argmax(1) == test_labels[first:last]).sum().item(), last - first])
+        dist.all_reduce(counts)
+        history.append({"epoch": epoch + 1, "accuracy": float(counts[0] / counts[1]),
+                        "wall_seconds": time.perf_counter() - start})
+        if rank == 0 and (epoch + 1) % 2 == 0:
+            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict()},
+                       checkpoint_dir / f"epoch-{epoch + 1}.pt")
+    if rank == 0:
+        out.write_text(json.dumps(history))
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------ the two variants
+
+
+def time_to(history: list[dict[str, Any]], target: float) -> float | None:
+    for entry in history:
+        if entry["accuracy"] >= target:
+            return float(entry["wall_seconds"])
+    return None
+
+
+def run_dtrain(epochs: int, target: float, workdir: Path, repeat: int) -> dict[str, Any]:
+    run_dir = workdir / f"dtrain-{repeat}"
+    began = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", str(CONFIG), "--run-dir", str(run_dir),
+                             "--set", f"searcher.max_length={{epochs: {epochs}}}"],
+                            capture_output=True, text=True, env={**os.environ, "DTRAIN_RUNS_ROOT": str(workdir)})
+    if result.returncode != 0:
+        raise RuntimeError(f"dtrain run failed: {result.stderr[-2000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    history = [{"epoch": e["epoch"], "accuracy": e["metrics"]["accuracy"], "wall_seconds": e["wall_seconds"]}
+               for e in summary["validation_history"]]
+    return {"time_to_target_s": time_to(history, target), "final_accuracy": history[-1]["accuracy"],
+            "training_wall_s": summary["wall_seconds"], "process_wall_s": time.perf_counter() - began,
+            "history": history}
+
+
+def run_hand_written(epochs: int, target: float, workdir: Path, repeat: int) -> dict[str, Any]:
+    out = workdir / f"hand-{repeat}.json"
+    checkpoints = workdir / f"hand-{repeat}-ckpt"
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             __file__, "--worker", "--epochs", str(epochs), "--out", str(out),
+                             "--checkpoint-dir", str(checkpoints)], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"hand-written DDP failed: {result.stderr[-2000:]}")
+    history = json.loads(out.read_text())
+    return {"time_to_target_s": time_to(history, target), "final_accuracy": history[-1]["accuracy"],
+            "training_wall_s": history[-1]["wall_seconds"], "process_wall_s": time.perf_counter() - began,
+            "history": history}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one pair of 3-epoch runs, target 88%%")
+    parser.add_argument("--repeats", type=int, default=2, help="A/B pairs (default 2)")
+    parser.add_argument("--epochs", type=int, help="epochs per run (default: the demo's 8; 3 with --quick)")
+    parser.add_argument("--target", type=float, help="accuracy target (default 0.91; 0.88 with --quick)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint-dir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    epochs = args.epochs or (3 if args.quick else 8)
+    if args.worker:
+        hand_written_worker(epochs, args.out, args.checkpoint_dir)
+        return
+    from common import alternate, machine_info, markdown_table, median, write_results
+
+    target = args.target or (0.88 if args.quick else 0.91)
+    repeats = 1 if args.quick else args.repeats
+    with tempfile.TemporaryDirectory(prefix="demo_vs_ddp-") as tmp:
+        workdir = Path(tmp)
+        rows = alternate([("dtrain", lambda r: run_dtrain(epochs, target, workdir, r)),
+                          ("hand-written DDP", lambda r: run_hand_written(epochs, target, workdir, r))], repeats)
+    times = {label: [r["time_to_target_s"] for r in rows if r["variant"] == label]
+             for label in ("dtrain", "hand-written DDP")}
+    reached = all(t is not None for ts in times.values() for t in ts)
+    ratio = median(times["dtrain"]) / median(times["hand-written DDP"]) if reached else None
+    pct = f"{target:.0%}"
+    headline = {"time_to_91_ratio" if target == 0.91 else f"time_to_{round(target * 100)}_ratio": ratio,
+                "target_accuracy": target, "epochs": epochs,
+                "dtrain_time_to_target_s": median(times["dtrain"]) if reached else None,
+                "hand_written_time_to_target_s": median(times["hand-written DDP"]) if reached else None,
+                "dtrain_final_accuracy": median([r["final_accuracy"] for r in rows if r["variant"] == "dtrain"]),
+                "pairs": repeats}
+    table = markdown_table(
+        ["variant", "repeat", f"time to {pct} (s)", "final accuracy", "training wall (s)", "process wall (s)"],
+        [[r["variant"], r["repeat"], r["time_to_target_s"] if r["time_to_target_s"] is not None else "not reached",
+          r["final_accuracy"], r["training_wall_s"], r["process_wall_s"]] for r in rows])
+    ratio_text = f"{ratio:.3f}" if ratio is not None else "n/a (target not reached)"
+    markdown = (f"# demo_vs_ddp\n\nThe Fashion-MNIST demo ({epochs} epochs, 2 workers) through dtrain and through a "
+                f"hand-written DDP loop, alternated in one session.\n\n**time to {pct}, dtrain / hand-written "
+                f"(medians): {ratio_text}** (target <= 1.00)\n\n{table}\n\nTimes are training wall time from the start "
+                "of each training loop (after process start and data loading) to the first validation at or above "
+                "the target; both include their validations and checkpoints.\n\nReproduce: "
+                f"`python benchmarks/demo_vs_ddp.py{' --quick' if args.quick else ''}`\n")
+    path = write_results("demo_vs_ddp", headline, rows, markdown, machine_info())
+    print(markdown)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

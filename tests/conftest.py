@@ -1,0 +1,34 @@
+"""Shared test set-up: every test gets its own runs root, so the store and default run dirs stay in tmp."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures"
+DTRAIN = [sys.executable, "-m", "dtrain.cli"]
+
+
+@pytest.fixture(autouse=True)
+def runs_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "runs"
+    monkeypatch.setenv("DTRAIN_RUNS_ROOT", str(root))
+    monkeypatch.delenv("DTRAIN_LAUNCHER", raising=False)
+    return root
+
+
+def fashion_mnist_available() -> bool:
+    from dtrain.data.fashion_mnist import find_data_dir
+
+    return find_data_dir() is not None
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("DTRAIN_LAUNCHER", None)
+    env.update(extra)
+    return env

@@ -1,0 +1,177 @@
+"""Whole runs through `dtrain run`, torchrun and Slurm-style starts: determinism, resume, restarts, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+CONFIG = FIXTURES / "digits.yaml"
+
+
+def dtrain(*args: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None,
+           timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if k != "DTRAIN_LAUNCHER"}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "dtrain.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=full_env, timeout=timeout)
+
+
+def final_model(run_dir: Path) -> bytes:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed", summary
+    return Path(summary["checkpoint"]).read_bytes()
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("clean")
+    result = dtrain("run", CONFIG, "--run-dir", root / "run", env={"DTRAIN_RUNS_ROOT": str(root / "runs")})
+    assert result.returncode == 0, result.stderr
+    return root / "run"
+
+
+def test_clean_run_writes_the_contract_files(clean_run: Path) -> None:
+    summary = json.loads((clean_run / "summary.json").read_text())
+    for key in ("status", "world_size", "global_batch_size", "per_slot_batch_size", "steps_completed",
+                "epochs_completed", "samples_per_second", "wall_seconds", "validation", "validation_history",
+                "checkpoint", "restarts"):
+        assert key in summary, key
+    assert summary["world_size"] == 2 and summary["per_slot_batch_size"] == 32 and summary["steps_completed"] == 40
+    assert [entry["step"] for entry in summary["validation_history"]] == [10, 20, 30, 40]
+    assert all(set(e) == {"step", "epoch", "wall_seconds", "metrics"} for e in summary["validation_history"])
+    walls = [e["wall_seconds"] for e in summary["validation_history"]]
+    assert walls == sorted(walls)
+    assert summary["validation"]["accuracy"] > 0.8
+    state = torch.load(summary["checkpoint"], weights_only=True)
+    assert set(state) == {"1.weight", "1.bias", "3.weight", "3.bias"}
+    assert (clean_run / "checkpoints" / "latest").read_text().strip() == "step-40"
+    assert yaml.safe_load((clean_run / "config.yaml").read_text())["name"] == "digits_test"
+    assert (clean_run / "logs" / "rank-0.log").is_file() and (clean_run / "logs" / "rank-1.log").is_file()
+    assert list((clean_run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_same_config_and_seed_give_identical_model(clean_run: Path, tmp_path: Path) -> None:
+    result = dtrain("run", CONFIG, "--run-dir", tmp_path / "again")
+    assert result.returncode == 0, result.stderr
+    assert final_model(tmp_path / "again") == final_model(clean_run)
+
+
+def test_stopped_run_resumes_bitwise_identical(clean_run: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "resumed"
+    stopped = dtrain("run", CONFIG, "--set", "debug.stop_after_batch=15", "--run-dir", run_dir)
+    assert stopped.returncode == 3, stopped.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "stopped"
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-15"
+    resumed = dtrain("run", CONFIG, "--run-dir", run_dir)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "(resuming)" in resumed.stderr
+    assert final_model(run_dir) == final_model(clean_run)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumes"] == 1
+    clean_history = json.loads((clean_run / "summary.json").read_text())["validation_history"]
+    assert [e["metrics"] for e in summary["validation_history"]] == [e["metrics"] for e in clean_history]
+
+
+def test_crashed_worker_is_restarted_and_resumes(clean_run: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "crashed"
+    marker = tmp_path / "crashed-once"
+    result = dtrain("run", CONFIG, "--set", "hyperparameters.crash_on_call=25",
+                    "--set", f"hyperparameters.crash_marker={marker}", "--set", "hyperparameters.crash_rank=1",
+                    "--run-dir", run_dir)
+    assert result.returncode == 0, result.stderr
+    assert marker.exists()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["restarts"] == 1 and summary["resumes"] == 1
+    # the hyperparameters differ only in the crash switches, which do not touch the numbers
+    assert final_model(run_dir) == final_model(clean_run)
+
+
+def test_user_trial_file_anywhere(tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    shutil.copy(FIXTURES / "digits_trial.py", project / "my_trial.py")
+    config = yaml.safe_load(CONFIG.read_text())
+    config.update(entrypoint="my_trial.py:DigitsTrial", searcher={"max_length": {"batches": 6}},
+                  min_validation_period={"batches": 0}, min_checkpoint_period={"batches": 0})
+    config["resources"]["slots_per_trial"] = 1
+    (project / "experiment.yaml").write_text(yaml.safe_dump(config))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = dtrain("run", project / "experiment.yaml", cwd=elsewhere)
+    assert result.returncode == 0, result.stderr
+    assert "training completed" in result.stdout
+    [run_dir] = (tmp_path / "runs" / "digits_test").iterdir()  # the store root is per test (conftest)
+    assert json.loads((run_dir / "summary.json").read_text())["steps_completed"] == 6
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_plain_torchrun_runs_the_worker(clean_run: Path, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "DTRAIN_LAUNCHER"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "dtrain.worker", str(CONFIG), "--run-dir", str(tmp_path / "tr")],
+                            capture_output=True, text=True, env=env, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert final_model(tmp_path / "tr") == final_model(clean_run)
+
+
+def test_slurm_style_start(clean_run: Path, tmp_path: Path) -> None:
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items() if k not in ("DTRAIN_LAUNCHER", "RANK", "WORLD_SIZE")}
+        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_NNODES="1",
+                   SLURM_NODEID="0", SLURM_JOB_ID="4242", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-m", "dtrain.worker", str(CONFIG), "--run-dir",
+                                       str(tmp_path / "slurm")], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outputs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert final_model(tmp_path / "slurm") == final_model(clean_run)
+
+
+def test_slurm_without_master_addr_is_one_clear_error(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env.update(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_JOB_ID="1")
+    result = subprocess.run([sys.executable, "-m", "dtrain.worker", str(CONFIG), "--run-dir", str(tmp_path / "s")],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "MASTER_ADDR and MASTER_PORT must be exported" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_data_error_in_a_worker_fails_fast_without_restarts(tmp_path: Path) -> None:
+    project = tmp_path / "p"
+    project.mkdir()
+    (project / "bad_trial.py").write_text(
+        "from dtrain.data import load_fashion_mnist\n"
+        "import sys; sys.path.insert(0, {!r})\n"
+        "from digits_trial import DigitsTrial\n"
+        "class BadData(DigitsTrial):\n"
+        "    def build_training_data(self):\n"
+        "        return load_fashion_mnist('train', {!r})\n".format(str(FIXTURES), str(tmp_path / "no-data")))
+    config = yaml.safe_load(CONFIG.read_text())
+    config.update(entrypoint="bad_trial.py:BadData", max_restarts=5)
+    (project / "e.yaml").write_text(yaml.safe_dump(config))
+    result = dtrain("run", project / "e.yaml", "--run-dir", tmp_path / "run", timeout=120)
+    assert result.returncode == 2, result.stderr
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("dtrain: error:")]
+    assert len(error_lines) == 1 and "Fashion-MNIST's four IDX files are not in" in error_lines[0]
+    assert "Traceback" not in result.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed"

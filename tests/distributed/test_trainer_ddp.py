@@ -1,0 +1,121 @@
+"""The Trainer on 2 and 3 real gloo processes equals one process training on the full batch."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dtrain.comm import Topology, barrier
+from dtrain.config import load_config
+from dtrain.data.sharding import ShardedBatchSampler, split_global_batch
+from dtrain.train.rng import seed_everything
+from dtrain.train.rundir import load_run_info, prepare_run_dir
+from dtrain.train.trainer import Trainer
+from dtrain.train.trial import TrialContext
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+RAW: dict[str, Any] = {
+    "name": "equivalence", "entrypoint": "digits_trial:DigitsTrial",
+    "hyperparameters": {"global_batch_size": 24, "learning_rate": 0.5, "momentum": 0.0, "float64": True,
+                        "hidden": 16},
+    "searcher": {"metric": "accuracy", "smaller_is_better": False, "max_length": {"batches": 5}},
+    "reproducibility": {"experiment_seed": 11},
+}
+
+
+def _train(topology: Topology, run_dir: str, raw: dict[str, Any]) -> dict[str, torch.Tensor]:
+    import sys
+
+    sys.path.insert(0, str(FIXTURES))
+    from digits_trial import DigitsTrial
+
+    config = load_config(None, raw=raw).config
+    if topology.rank == 0:
+        prepare_run_dir(config, Path(run_dir), FIXTURES)
+    barrier()
+    trainer = Trainer(config=config, trial_class=DigitsTrial, topology=topology, run_info=load_run_info(Path(run_dir)))
+    summary = trainer.fit()
+    assert summary["status"] == "completed"
+    return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+def _reference(raw: dict[str, Any], steps: int) -> dict[str, torch.Tensor]:
+    """One process, plain SGD on the whole global batch, written here without the Trainer."""
+    import sys
+
+    sys.path.insert(0, str(FIXTURES))
+    from digits_trial import DigitsTrial
+
+    hp = raw["hyperparameters"]
+    seed = raw["reproducibility"]["experiment_seed"]
+    split = split_global_batch(hp["global_batch_size"], 1)
+    context = TrialContext(hparams=hp, rank=0, world_size=1, local_rank=0, batch_split=split,
+                           device=torch.device("cpu"), seed=seed)
+    trial = DigitsTrial(context)
+    data = trial.build_training_data()
+    seed_everything(seed)
+    model = trial.build_model()
+    images, labels = data.tensors
+    order = list(ShardedBatchSampler(len(data), split, 0, seed, epoch=0))
+    for step in range(steps):
+        index = torch.tensor(order[step])
+        model.zero_grad()
+        F.cross_entropy(model(images[index]), labels[index]).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= hp["learning_rate"] * p.grad
+    return model.state_dict()
+
+
+def _max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in b)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_data_parallel_equals_full_batch_sgd(spawn: Any, tmp_path: Path, world_size: int) -> None:
+    raw = copy.deepcopy(RAW)
+    raw["resources"] = {"slots_per_trial": world_size}
+    results = spawn(_train, world_size, str(tmp_path / "run"), raw)
+    expected = _reference(raw, steps=5)
+    for rank_state in results:
+        assert _max_relative_difference(rank_state, expected) < 1e-9
+    assert all(torch.equal(results[0][k], r[k]) for r in results[1:] for k in expected)
+    # and the run really moved the weights
+    start = copy.deepcopy(raw)
+    start["searcher"]["max_length"] = {"batches": 0}
+    assert _max_relative_difference(_reference(raw, steps=0), expected) > 1e-3
+
+
+def test_validation_metrics_are_weighted_by_records(spawn: Any, tmp_path: Path) -> None:
+    """3 ranks get 120, 120 and 120 of the 360 test digits; the mean must equal one process's mean."""
+    raw = copy.deepcopy(RAW)
+    raw["resources"] = {"slots_per_trial": 3}
+    raw["data_loader"] = {"validation_batch_size": 7}  # uneven last batches on every rank
+    spawn(_train, 3, str(tmp_path / "run"), raw)
+    import json
+
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    model = torch.load(summary["checkpoint"], weights_only=True)
+    import sys
+
+    sys.path.insert(0, str(FIXTURES))
+    from digits_trial import DigitsTrial
+
+    context = TrialContext(hparams=raw["hyperparameters"], rank=0, world_size=1, local_rank=0,
+                           batch_split=split_global_batch(24, 1), device=torch.device("cpu"), seed=0)
+    trial = DigitsTrial(context)
+    net = trial.build_model()
+    net.load_state_dict(model)
+    images, labels = trial.build_validation_data().tensors
+    with torch.no_grad():
+        logits = net(images)
+    expected_loss = float(F.cross_entropy(logits, labels))
+    expected_accuracy = float((logits.argmax(1) == labels).double().mean())
+    assert summary["validation"]["loss"] == pytest.approx(expected_loss, rel=1e-9)
+    assert summary["validation"]["accuracy"] == pytest.approx(expected_accuracy, rel=1e-12)

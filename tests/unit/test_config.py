@@ -1,0 +1,204 @@
+"""Experiment config: parsing, overrides, Determined compatibility and one-line errors that name the key."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dtrain.config import (
+    ExperimentConfig,
+    Length,
+    check_buildable,
+    dump_config,
+    load_config,
+    parse_override,
+)
+from dtrain.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+BASE: dict[str, Any] = {
+    "name": "t",
+    "entrypoint": "model_def:MyTrial",
+    "hyperparameters": {"global_batch_size": 64, "learning_rate": 0.1},
+    "resources": {"slots_per_trial": 2},
+    "searcher": {"name": "single", "metric": "accuracy", "max_length": {"batches": 10}},
+}
+
+
+def config_with(**changes: Any) -> dict[str, Any]:
+    raw = copy.deepcopy(BASE)
+    for dotted, value in changes.items():
+        node = raw
+        parts = dotted.split("__")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        if value is _DELETE:
+            node.pop(parts[-1])
+        else:
+            node[parts[-1]] = value
+    return raw
+
+
+_DELETE = object()
+
+
+def test_examples_parse() -> None:
+    for name in ("const.yaml", "distributed.yaml"):
+        loaded = load_config(REPO / "examples" / "fashion_mnist" / name)
+        assert loaded.config.global_batch_size == 256
+        assert loaded.config.searcher.max_length == Length(epochs=8)
+        assert loaded.warnings == []
+    assert load_config(REPO / "examples" / "fashion_mnist" / "distributed.yaml").config.resources.world_size == 2
+
+
+def test_defaults_follow_determined() -> None:
+    config = load_config(None, raw=BASE).config
+    assert config.max_restarts == 5
+    assert config.optimizations.aggregation_frequency == 1
+    assert config.optimizations.average_aggregated_gradients is True
+    assert config.min_validation_period == Length(batches=0)
+    assert config.records_per_epoch == 0
+    assert config.searcher.smaller_is_better is True
+    assert config.distributed.strategy == "allreduce"
+
+
+def test_resolved_config_round_trips() -> None:
+    config = load_config(None, raw=BASE).config
+    again = load_config(None, raw=yaml.safe_load(dump_config(config))).config
+    assert again == config
+
+
+@pytest.mark.parametrize(("text", "key", "value"), [
+    ("resources.slots_per_trial=4", "resources.slots_per_trial", 4),
+    ("hyperparameters.learning_rate=0.05", "hyperparameters.learning_rate", 0.05),
+    ("optimizations.average_aggregated_gradients=false", "optimizations.average_aggregated_gradients", False),
+    ("name=run 7", "name", "run 7"),
+    ("searcher.max_length={batches:60}", "searcher.max_length", {"batches": 60}),
+    ("searcher.max_length={epochs: 2}", "searcher.max_length", {"epochs": 2}),
+])
+def test_override_values_get_types(text: str, key: str, value: Any) -> None:
+    assert parse_override(text) == (key, value)
+
+
+def test_overrides_apply_and_coerce() -> None:
+    loaded = load_config(None, ["resources.slots_per_trial=4", "hyperparameters.global_batch_size=128",
+                                "name=123", "min_validation_period={epochs: 1}"], raw=BASE)
+    assert loaded.config.resources.slots_per_trial == 4
+    assert loaded.config.global_batch_size == 128
+    assert loaded.config.name == "123"
+    assert loaded.config.min_validation_period == Length(epochs=1)
+
+
+def test_const_hyperparameters_are_unwrapped() -> None:
+    raw = config_with(hyperparameters__learning_rate={"type": "const", "val": 0.3})
+    assert load_config(None, raw=raw).config.hyperparameters["learning_rate"] == 0.3
+
+
+def test_determined_cluster_keys_warn_and_run() -> None:
+    raw = config_with(environment={"image": "x"}, resources__resource_pool="gpu", bind_mounts=[])
+    loaded = load_config(None, raw=raw)
+    joined = " ".join(loaded.warnings)
+    assert "`environment`" in joined and "`resources.resource_pool`" in joined and "`bind_mounts`" in joined
+
+
+def test_remainder_is_dropped_with_a_warning() -> None:
+    loaded = load_config(None, raw=config_with(hyperparameters__global_batch_size=65))
+    assert any("65" in w and "dropped" in w and "64" in w for w in loaded.warnings)
+
+
+def test_lengths_convert_to_batches() -> None:
+    assert Length(batches=7).to_batches(64, 0) == 7
+    assert Length(records=640).to_batches(64, 0) == 10
+    assert Length(records=650).to_batches(64, 0) == 11
+    assert Length(epochs=2).to_batches(100, 1000) == 20
+    with pytest.raises(ConfigError, match="records_per_epoch"):
+        Length(epochs=1).to_batches(64, 0)
+
+
+# Each bad config and a piece of text its single error line must contain (the offending key).
+BAD_CONFIGS: list[tuple[str, dict[str, Any], str]] = [
+    ("unknown top-level key", config_with(max_restart=3), "`max_restart`"),
+    ("unknown key suggests the closest", config_with(searcher__max_lenght={"batches": 1}), "searcher.max_length"),
+    ("unknown section key", config_with(resources__slot_per_trial=2), "resources.slots_per_trial"),
+    ("missing entrypoint", config_with(entrypoint=_DELETE), "`entrypoint`"),
+    ("missing searcher", config_with(searcher=_DELETE), "`searcher`"),
+    ("missing max_length", config_with(searcher__max_length=_DELETE), "searcher.max_length"),
+    ("missing global batch", config_with(hyperparameters__global_batch_size=_DELETE), "global_batch_size"),
+    ("global batch below world", config_with(hyperparameters__global_batch_size=1), "global_batch_size"),
+    ("global batch not an int", config_with(hyperparameters__global_batch_size="big"), "global_batch_size"),
+    ("slots not a number", config_with(resources__slots_per_trial="two"), "resources.slots_per_trial"),
+    ("negative restarts", config_with(max_restarts=-1), "max_restarts"),
+    ("length with two units", config_with(searcher__max_length={"batches": 1, "epochs": 1}), "searcher.max_length"),
+    ("length as a bare number", config_with(searcher__max_length=100), "searcher.max_length"),
+    ("bad strategy name", config_with(distributed={"strategy": "alreduce"}), "distributed.strategy"),
+    ("bad op", config_with(distributed={"op": "mean"}), "distributed.op"),
+    ("bad searcher name", config_with(searcher__name="bayes"), "searcher.name"),
+    ("bad compression name", config_with(distributed={"compression": {"name": "zip"}}), "distributed.compression.name"),
+    ("data loader workers negative", config_with(data_loader={"num_workers": -2}), "data_loader.num_workers"),
+    ("entrypoint without class", config_with(entrypoint="model_def"), "entrypoint"),
+    ("search space without searcher", config_with(hyperparameters__learning_rate={"type": "double", "minval": 0.1,
+                                                                                    "maxval": 1}),
+     "hyperparameters.learning_rate"),
+    ("aggregation frequency zero", config_with(optimizations={"aggregation_frequency": 0}),
+     "optimizations.aggregation_frequency"),
+    ("bool that is not", config_with(perform_initial_validation="sometimes"), "perform_initial_validation"),
+    ("checkpoint policy", config_with(checkpoint_policy="often"), "checkpoint_policy"),
+    ("section given as a list", config_with(resources=[1, 2]), "resources"),
+]
+
+
+@pytest.mark.parametrize(("why", "raw", "named"), BAD_CONFIGS, ids=[c[0] for c in BAD_CONFIGS])
+def test_bad_config_names_the_key(why: str, raw: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, raw=raw)
+    message = str(caught.value)
+    assert named in message, message
+    assert "\n" not in message
+    assert "Traceback" not in message
+
+
+def test_there_are_at_least_fifteen_bad_configs() -> None:
+    assert len(BAD_CONFIGS) >= 15
+
+
+def test_unknown_key_message_suggests_fix() -> None:
+    with pytest.raises(ConfigError, match=r"did you mean `searcher.max_length`\?"):
+        load_config(None, raw=config_with(searcher__max_lenght={"batches": 1}))
+
+
+def test_bad_override_is_attributed() -> None:
+    with pytest.raises(ConfigError, match=r"from --set"):
+        load_config(None, ["resources.slot_per_trial=2"], raw=BASE)
+    with pytest.raises(ConfigError, match="dotted.key=value"):
+        load_config(None, ["resources.slots_per_trial"], raw=BASE)
+    with pytest.raises(ConfigError, match="not a section"):
+        load_config(None, ["name.first=x"], raw=BASE)
+
+
+def test_yaml_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("name: [unclosed\nentrypoint: x:Y\n")
+    with pytest.raises(ConfigError, match="not valid YAML at line"):
+        load_config(broken)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("just a string\n")
+    with pytest.raises(ConfigError, match="not a mapping"):
+        load_config(scalar)
+
+
+def test_unbuilt_features_are_refused_by_name() -> None:
+    config = load_config(None, raw=config_with(distributed={"strategy": "local_sgd"})).config
+    with pytest.raises(ConfigError, match="distributed.strategy"):
+        check_buildable(config)
+    check_buildable(load_config(None, raw=BASE).config)
+
+
+def test_experiment_config_is_strict_about_types() -> None:
+    assert isinstance(load_config(None, raw=BASE).config, ExperimentConfig)

@@ -1,0 +1,65 @@
+"""The SQLite run store and the run-dir rules around it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dtrain.config import load_config
+from dtrain.errors import LaunchError
+from dtrain.train.rundir import prepare_run_dir, store_path
+from dtrain.train.store import RunStore
+
+RAW = {"name": "s", "entrypoint": "m:T", "hyperparameters": {"global_batch_size": 8},
+       "searcher": {"max_length": {"batches": 3}}}
+
+
+def test_experiments_trials_and_metrics(tmp_path: Path) -> None:
+    store = RunStore(tmp_path / "m.db")
+    exp = store.create_experiment("e", "", "name: e\n")
+    trial = store.create_trial(exp, tmp_path, {"lr": 0.1}, 2)
+    store.add_metrics(trial, "training", [(1, 0.1, 1.0, {"loss": 2.0}), (2, 0.2, 2.0, {"loss": 1.5})])
+    store.add_metrics(trial, "training", [(2, 0.2, 2.5, {"loss": 1.4})])  # step 2 again after a restart
+    store.add_metrics(trial, "validation", [(2, 0.2, 2.0, {"accuracy": 0.5, "loss": 1.0})])
+    store.set_status(trial, "completed", {"steps_completed": 2})
+    assert store.metric_series(trial, "training") == {"loss": [(1, 2.0), (2, 1.4)]}
+    assert store.metric_series(trial, "validation")["accuracy"] == [(2, 0.5)]
+    [(experiment, last)] = store.experiments()
+    assert experiment.name == "e" and last is not None and last.status == "completed"
+    assert last.summary == {"steps_completed": 2} and last.ended_at is not None
+    store.close()
+    assert RunStore(tmp_path / "m.db").experiment(exp) is not None
+
+
+def test_new_run_dir_is_registered(runs_root: Path) -> None:
+    config = load_config(None, raw=RAW).config
+    info = prepare_run_dir(config, None, Path.cwd())
+    assert info.run_dir == (runs_root / "s" / str(info.experiment_id)).resolve()
+    assert (info.run_dir / "config.yaml").is_file() and (info.run_dir / "run.json").is_file()
+    store = RunStore(store_path())
+    assert store.trials(info.experiment_id)[0].run_dir == str(info.run_dir)
+
+
+def test_reopening_requires_the_same_config(tmp_path: Path) -> None:
+    config = load_config(None, raw=RAW).config
+    prepare_run_dir(config, tmp_path / "run", Path.cwd())
+    same = prepare_run_dir(load_config(None, ["debug.stop_after_batch=1"], raw=RAW).config, tmp_path / "run",
+                           Path.cwd())
+    assert same.resumed
+    with pytest.raises(LaunchError, match=r"different config \(hyperparameters.global_batch_size: 8 -> 16\)"):
+        prepare_run_dir(load_config(None, ["hyperparameters.global_batch_size=16"], raw=RAW).config,
+                        tmp_path / "run", Path.cwd())
+
+
+def test_completed_or_foreign_dirs_are_refused(tmp_path: Path) -> None:
+    config = load_config(None, raw=RAW).config
+    info = prepare_run_dir(config, tmp_path / "run", Path.cwd())
+    (info.run_dir / "summary.json").write_text('{"status": "completed"}')
+    with pytest.raises(LaunchError, match="holds a completed run"):
+        prepare_run_dir(config, tmp_path / "run", Path.cwd())
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "precious.txt").write_text("keep")
+    with pytest.raises(LaunchError, match="not empty"):
+        prepare_run_dir(config, tmp_path / "other", Path.cwd())
+    assert (tmp_path / "other" / "precious.txt").read_text() == "keep"
