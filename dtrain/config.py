@@ -102,6 +102,7 @@ class Optimizations(_Section):
     mixed_precision: Literal["O0", "O1", "O2", "O3"] = "O0"
     tensor_fusion_threshold: float = Field(default=25.0, gt=0, description="bucket size in MB")
     auto_tune_tensor_fusion: bool = False
+    memory_format: Literal["contiguous", "channels_last"] = "contiguous"
 
 
 class Compression(_Section):
