@@ -114,7 +114,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     summary = read_summary(info.run_dir) or {}
     if result.exit_code != 0:
         print(f"dtrain: error: {result.message}", file=sys.stderr)
-        status = "failed"
+        status = "interrupted" if result.exit_code == EXIT_INTERRUPTED else "failed"
         summary = {**summary, "status": status, "error": result.message}
         if node.node_rank == 0:
             from dtrain.train.rundir import SUMMARY_FILE, write_json_atomic
@@ -124,7 +124,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 store = RunStore(info.store)
                 store.set_status(info.trial_id, status, summary)
                 store.close()
-        return EXIT_USER_ERROR if result.exit_code == EXIT_USER_ERROR else EXIT_FAILED
+        return result.exit_code if result.exit_code in (EXIT_USER_ERROR, EXIT_INTERRUPTED) else EXIT_FAILED
     if node.node_rank != 0:
         return 0
     _print_summary(info.run_dir, info.experiment_id, summary, time.time() - started)

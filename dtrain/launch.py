@@ -48,9 +48,12 @@ class NodeSpec:
                               "every node), or a shared --rdzv-endpoint HOST:PORT")
 
 
+INTERRUPTED_EXIT_CODE = 130
+
+
 @dataclass(frozen=True)
 class LaunchResult:
-    """How the workers ended: exit code 0 (finished or stopped), 1 (failed), 2 (user error)."""
+    """How the workers ended: exit code 0 (finished or stopped), 1 (failed), 2 (user error), 130 (interrupted)."""
 
     exit_code: int
     message: str | None = None
@@ -67,6 +70,7 @@ def _worker_environment(nproc_per_node: int) -> None:
 def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> LaunchResult:
     """Run the workers of this node to the end; restarts and failure reports come from the elastic agent."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -91,17 +95,29 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs, max_restarts=config.max_restarts,
         monitor_interval=0.2, local_addr="127.0.0.1" if local else None,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "agent")))
-    for noisy in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
+    _quiet_torch_elastic_loggers()
     args = ("-u", "-m", "dtrain.worker", "--run-dir", str(run_dir))
     try:
         elastic_launch(launch_config, entrypoint=sys.executable)(*args)
+    except (SignalException, KeyboardInterrupt) as exc:
+        signal_name = getattr(getattr(exc, "sigval", None), "name", "SIGINT")
+        return LaunchResult(INTERRUPTED_EXIT_CODE, f"interrupted by {signal_name}; the workers were stopped. Training "
+                            "up to the latest checkpoint is kept: run the same command with --run-dir "
+                            f"{run_dir} to resume")
     except ChildFailedError as exc:
         fatal = read_fatal(run_dir, run_id)
         if fatal is not None:
             return LaunchResult(FATAL_EXIT_CODE, str(fatal["message"]))
         return LaunchResult(1, _describe_failure(exc, run_dir))
     return LaunchResult(0)
+
+
+def _quiet_torch_elastic_loggers() -> None:
+    """The agent's own INFO/WARNING lines (e.g. "Received 2 death signal") would repeat what dtrain says."""
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")) and isinstance(
+                logger, logging.Logger):
+            logger.setLevel(logging.ERROR)
 
 
 def _loopback_rendezvous(port: int | None, keep_alive: list[object]) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 FATAL_FILE = "fatal-error.json"
 FATAL_EXIT_CODE = 2
+INTERRUPTED_EXIT_CODE = 130
 
 
 def _launch_id() -> str:
@@ -141,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     def guarded() -> int:
         try:
             return run_worker(args)
+        except KeyboardInterrupt:  # Ctrl-C or the agent stopping us: the launcher reports it, no traceback
+            logging.getLogger("dtrain").warning("interrupted", extra={"console": False})
+            return INTERRUPTED_EXIT_CODE
         except DtrainError as exc:
             rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
             logging.getLogger("dtrain").error("%s", exc, extra={"console": False})

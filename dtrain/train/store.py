@@ -95,7 +95,7 @@ class RunStore:
         self._conn.execute("UPDATE trials SET run_dir=? WHERE id=?", (str(run_dir), trial_id))
 
     def set_status(self, trial_id: int, status: str, summary: Mapping[str, Any] | None = None) -> None:
-        ended = time.time() if status in ("completed", "failed", "stopped") else None
+        ended = time.time() if status in ("completed", "failed", "stopped", "interrupted") else None
         self._conn.execute("UPDATE trials SET status=?, ended_at=?, summary=COALESCE(?, summary) WHERE id=?",
                            (status, ended, json.dumps(summary) if summary is not None else None, trial_id))
 
