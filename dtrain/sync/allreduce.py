@@ -148,8 +148,9 @@ class AllReduceStrategy:
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {"name": self.name, "op": self.op, "bucket_cap_mb": self.bucket_cap_mb,
                                 "auto_tune_tensor_fusion": self.auto_tune_fusion}
-        if self.tuner is not None:
-            info["fusion_tuning"] = self.tuner.state_dict()
+        tuning = self.state_dict().get("fusion_tuning")
+        if tuning is not None:
+            info["fusion_tuning"] = {**tuning, "restored": self.tuner is None}
         return info
 
     def close(self) -> None:
@@ -158,10 +159,11 @@ class AllReduceStrategy:
     # ------------------------------------------------------------------------------------- internals
 
     def _build_ddp(self, model: nn.Module, *, init_sync: bool) -> DistributedDataParallel:
+        """Gradients live in the buckets (no copy back) and are copied in one batched op per bucket."""
         device_ids = [self.topology.device.index] if self.topology.device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb,  # type: ignore[arg-type]
                                       find_unused_parameters=self.find_unused_parameters,
-                                      gradient_as_bucket_view=True, init_sync=init_sync)
+                                      gradient_as_bucket_view=True, batched_grad_copy=True, init_sync=init_sync)
         compressor = self.compressor or NoCompression()
         if self.op != "average" or not isinstance(compressor, NoCompression):
             ddp.register_comm_hook(HookState(self.op, compressor=compressor), combine_bucket)
@@ -179,9 +181,9 @@ class AllReduceStrategy:
             reduced = torch.tensor([self.tuner.local_median()], dtype=torch.float64)
             dist.all_reduce(reduced)
             previous = self.tuner.current
-            self.tuner.finish_visit(float(reduced.item()))
+            self.tuner.finish_visit(float(reduced.item()) / self.topology.world_size)
             if self.tuner.done:
-                log.info(self.tuner.report(self.topology.world_size))
+                log.info(self.tuner.report())
             if self.tuner.current != previous:
                 self._switch_bucket_size(self.tuner.current)
         self._last_step_end = time.perf_counter()

@@ -4,7 +4,7 @@ this network and this machine.
 During the first steps of a run the allreduce strategy trains with each candidate size in turn, in
 `rounds` passes whose order alternates (A B C, C B A, ...) so that drift in machine load hits every
 candidate alike. A visit's first step (the one that rebuilds the buckets) is not timed; the median of the
-others, summed over the ranks, is the visit's time. The candidate with the smallest mean visit time wins.
+others, averaged over the ranks, is the visit's time. The candidate with the smallest mean visit time wins.
 The tuner only sees numbers: the strategy times the steps and all-reduces them, so every rank holds the
 same numbers and takes the same decision.
 """
@@ -40,7 +40,7 @@ class FusionTuner:
     candidates: list[float]
     steps_per_visit: int = 5
     rounds: int = 2
-    visits: list[tuple[float, float]] = field(default_factory=list)  # (candidate MB, reduced median seconds)
+    visits: list[tuple[float, float]] = field(default_factory=list)  # (MB, median step seconds, rank mean)
     _visit_index: int = 0
     _samples: list[float] = field(default_factory=list)
     _seen_in_visit: int = 0
@@ -100,10 +100,10 @@ class FusionTuner:
             return self.candidates[0]
         return min(means, key=lambda size: (means[size], size))
 
-    def report(self, world_size: int) -> str:
+    def report(self) -> str:
         """One line for the log: the choice and every candidate's mean step time."""
         means = self.mean_times()
-        shown = ", ".join(f"{size:g} MB {means[size] / world_size * 1e3:.2f} ms" for size in sorted(means))
+        shown = ", ".join(f"{size:g} MB {means[size] * 1e3:.2f} ms" for size in sorted(means))
         return (f"tensor fusion auto-tune: bucket size {self.best:g} MB chosen from {len(means)} candidates "
                 f"(median step time, mean over {self.rounds} visits: {shown})")
 
