@@ -152,3 +152,37 @@ def test_validation_metrics_are_weighted_by_records(spawn: Any, tmp_path: Path) 
     expected_accuracy = float((logits.argmax(1) == labels).double().mean())
     assert summary["validation"]["loss"] == pytest.approx(expected_loss, rel=1e-9)
     assert summary["validation"]["accuracy"] == pytest.approx(expected_accuracy, rel=1e-12)
+
+
+def _train_with_rank_dependent_data(topology: Topology, run_dir: str) -> str:
+    import sys
+
+    sys.path.insert(0, str(FIXTURES))
+    from digits_trial import DigitsTrial
+
+    from dtrain.errors import SyncError
+
+    class ShortOnRankOne(DigitsTrial):
+        def build_training_data(self) -> Any:
+            data = super().build_training_data()
+            if self.context.rank == 1:
+                data.tensors = tuple(t[:1000] for t in data.tensors)
+            return data
+
+    raw = copy.deepcopy(RAW)
+    raw["resources"] = {"slots_per_trial": 2}
+    config = load_config(None, raw=raw).config
+    if topology.rank == 0:
+        prepare_run_dir(config, Path(run_dir), FIXTURES)
+    barrier()
+    trainer = Trainer(config=config, trial_class=ShortOnRankOne, topology=topology,
+                      run_info=load_run_info(Path(run_dir)))
+    with pytest.raises(SyncError) as caught:
+        trainer.fit()
+    return str(caught.value)
+
+
+def test_ranks_with_different_data_stop_at_once_with_one_line(spawn: Any, tmp_path: Path) -> None:
+    messages = spawn(_train_with_rank_dependent_data, 2, str(tmp_path / "run"), timeout=60.0)
+    for message in messages:
+        assert "rank 0: 1437 training" in message and "rank 1: 1000 training" in message
