@@ -103,7 +103,7 @@ class AllReduceStrategy:
                 steps, rounds = self._tuner_settings
                 self.tuner = FusionTuner(candidates, steps_per_visit=steps, rounds=rounds)
                 self.bucket_cap_mb = self.tuner.current
-        names = [name for name, p in model.named_parameters()]
+        names = [name for name, p in model.named_parameters() if p.requires_grad]  # DDP's parameter indices
         self._replica = Replica(self._build_ddp(model, init_sync=True), names)
         return self._replica
 
