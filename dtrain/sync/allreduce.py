@@ -75,15 +75,15 @@ class AllReduceStrategy:
 
     def __init__(self, topology: Topology, *, op: Op = "average", bucket_cap_mb: float = 25.0,
                  auto_tune_fusion: bool = False, find_unused_parameters: bool = False,
-                 compressor: Compressor | None = None, tuner_steps_per_visit: int = 5,
-                 tuner_rounds: int = 2) -> None:
+                 compressor: Compressor | None = None, tuner_steps_per_visit: int = 6,
+                 tuner_rounds: int = 3, tuner_warmup_steps: int = 5) -> None:
         self.topology = topology
         self.op: Op = op
         self.bucket_cap_mb = bucket_cap_mb
         self.auto_tune_fusion = auto_tune_fusion
         self.find_unused_parameters = find_unused_parameters
         self.compressor = compressor
-        self._tuner_settings = (tuner_steps_per_visit, tuner_rounds)
+        self._tuner_settings = (tuner_steps_per_visit, tuner_rounds, tuner_warmup_steps)
         self.tuner: FusionTuner | None = None
         self._tuning_restored: dict[str, Any] | None = None
         self._model: nn.Module | None = None
@@ -100,8 +100,8 @@ class AllReduceStrategy:
             model_mb = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / BYTES_PER_MB
             candidates = candidate_bucket_sizes(model_mb, self.bucket_cap_mb)
             if len(candidates) > 1:
-                steps, rounds = self._tuner_settings
-                self.tuner = FusionTuner(candidates, steps_per_visit=steps, rounds=rounds)
+                steps, rounds, warmup = self._tuner_settings
+                self.tuner = FusionTuner(candidates, steps_per_visit=steps, rounds=rounds, warmup_steps=warmup)
                 self.bucket_cap_mb = self.tuner.current
         names = [name for name, p in model.named_parameters() if p.requires_grad]  # DDP's parameter indices
         self._replica = Replica(self._build_ddp(model, init_sync=True), names)
@@ -173,10 +173,8 @@ class AllReduceStrategy:
         """Time the step that just ended; at the end of a visit agree on its time and move to the next size."""
         assert self.tuner is not None and self._replica is not None and self._model is not None
         now = time.perf_counter()
-        if self._last_step_end is not None:
-            self.tuner.observe(now - self._last_step_end)
-        else:
-            self.tuner.observe(float("nan"))  # the first step of all: not timed (observe drops it)
+        # the very first step has no start time; it is a warm-up step, which observe() does not time
+        self.tuner.observe(now - self._last_step_end if self._last_step_end is not None else float("nan"))
         if self.tuner.visit_complete():
             reduced = torch.tensor([self.tuner.local_median()], dtype=torch.float64)
             dist.all_reduce(reduced)

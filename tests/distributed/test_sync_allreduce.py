@@ -199,7 +199,8 @@ def test_ranks_with_fewer_batches_join_instead_of_hanging(spawn: Any) -> None:
 def _tuned_training(topology: Topology) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 4)).double()  # about 2 MB
-    strategy = AllReduceStrategy(topology, auto_tune_fusion=True, tuner_steps_per_visit=2, tuner_rounds=1)
+    strategy = AllReduceStrategy(topology, auto_tune_fusion=True, tuner_steps_per_visit=2, tuner_rounds=1,
+                                 tuner_warmup_steps=1)
     wrapped = strategy.wrap_model(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     data = torch.randn(12, 8, 512, dtype=torch.float64, generator=torch.Generator().manual_seed(5))

@@ -31,18 +31,35 @@ def drive(tuner: FusionTuner, seconds_of: dict[float, list[float]]) -> list[floa
 
 
 def test_tuner_visits_every_candidate_in_alternating_rounds_and_keeps_the_fastest() -> None:
-    tuner = FusionTuner([25.0, 4.0, 1.0], steps_per_visit=3, rounds=2)
+    tuner = FusionTuner([25.0, 4.0, 1.0], steps_per_visit=3, rounds=2, warmup_steps=0)
     used = drive(tuner, {25.0: [9.0, 0.30, 0.31], 4.0: [9.0, 0.20, 0.21], 1.0: [9.0, 0.25, 0.26]})
     assert used == [25.0] * 3 + [4.0] * 3 + [1.0] * 3 + [1.0] * 3 + [4.0] * 3 + [25.0] * 3
     assert tuner.best == 4.0 and tuner.current == 4.0
-    assert tuner.mean_times()[4.0] == pytest.approx(0.205)
+    assert tuner.visit_times()[4.0] == pytest.approx(0.205)
     assert "bucket size 4 MB chosen" in tuner.report()
     assert "4 MB 205.00 ms" in tuner.report()
 
 
 def test_first_step_of_a_visit_is_not_timed() -> None:
-    tuner = FusionTuner([2.0, 8.0], steps_per_visit=2, rounds=1)
+    tuner = FusionTuner([2.0, 8.0], steps_per_visit=2, rounds=1, warmup_steps=0)
     drive(tuner, {2.0: [100.0, 1.0], 8.0: [0.0, 2.0]})
+    assert tuner.best == 2.0
+
+
+def test_warm_up_steps_are_not_timed_and_one_disturbed_visit_cannot_decide() -> None:
+    tuner = FusionTuner([2.0, 8.0], steps_per_visit=2, rounds=3, warmup_steps=3)
+    # 3 warm-up steps, then visits 2, 8, 8, 2, 2, 8 of 2 steps each (the first untimed); the first visit of
+    # 2 MB is disturbed (9 s): its mean would lose to 8 MB, its median wins
+    times = [50.0] * 3 + [0, 9.0] + [0, 2.0] * 2 + [0, 1.0] * 2 + [0, 2.0]
+    used = []
+    for seconds in times:
+        used.append(tuner.current)
+        tuner.observe(seconds)
+        if tuner.visit_complete():
+            tuner.finish_visit(tuner.local_median())
+    assert tuner.done
+    assert used == [2.0] * 5 + [8.0] * 4 + [2.0] * 4 + [8.0] * 2
+    assert tuner.visits[0] == (2.0, 9.0)
     assert tuner.best == 2.0
 
 
