@@ -46,7 +46,8 @@ test-distributed: setup
 	$(PY) -m pytest tests/distributed -q
 
 bench: setup
-	$(PY) benchmarks/demo_vs_ddp.py
+	flock /tmp/dtrain-bench.lock $(PY) benchmarks/demo_vs_ddp.py
+	flock /tmp/dtrain-bench.lock $(PY) benchmarks/sync_vs_ddp.py
 
 lint: setup
 	$(VENV)/bin/ruff check dtrain tests benchmarks examples

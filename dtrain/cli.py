@@ -145,11 +145,28 @@ def _print_summary(run_dir: Path, experiment_id: int | None, summary: dict[str, 
         f"  checkpoint   {summary.get('checkpoint')}",
         f"  TensorBoard  tensorboard --logdir {run_dir / 'tensorboard'}",
     ]
+    if summary.get("world_size", 1) > 1 and summary.get("strategy"):
+        lines.insert(2, f"  sync         {_describe_sync(summary['strategy'])}")
     if experiment_id is not None:
         lines.append(f"  store        dtrain experiments show {experiment_id}")
     if status == "stopped":
         lines.append("  resume with the same command and --run-dir " + str(run_dir))
     print("\n".join(lines))
+
+
+def _describe_sync(strategy: dict[str, Any]) -> str:
+    """`allreduce, op average, buckets 1.6 MB (auto-tuned: 0.4 MB 79 ms/step, 1.6 MB 71 ms/step)`."""
+    text = f"{strategy.get('name')}, op {strategy.get('op')}"
+    if "bucket_cap_mb" in strategy:
+        text += f", buckets {strategy['bucket_cap_mb']:.3g} MB"
+    visits = (strategy.get("fusion_tuning") or {}).get("visits") or []
+    if visits:
+        times: dict[float, list[float]] = {}
+        for size, seconds in visits:
+            times.setdefault(size, []).append(seconds)
+        shown = ", ".join(f"{size:.3g} MB {sum(t) / len(t) * 1e3:.0f}" for size, t in sorted(times.items()))
+        text += f" (auto-tuned, median step ms: {shown})"
+    return text
 
 
 # --------------------------------------------------------------------------------------- experiments

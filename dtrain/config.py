@@ -472,10 +472,8 @@ def _example(loc: list[str]) -> str:
 # (dotted key, the value that works today) for settings whose other values belong to later work.
 _NOT_BUILT_YET: list[tuple[str, Any, str]] = [
     ("distributed.strategy", "allreduce", "only the allreduce strategy is built so far"),
-    ("distributed.op", "average", "only gradient averaging is built so far"),
     ("distributed.compression.name", "none", "gradient compression is not built yet"),
     ("optimizations.gradient_compression", False, "gradient compression is not built yet"),
-    ("optimizations.auto_tune_tensor_fusion", False, "fusion auto-tuning is not built yet"),
     ("optimizations.mixed_precision", "O0", "mixed precision is not built yet"),
     ("searcher.name", "single", "hyperparameter search is not built yet; one trial runs per experiment"),
     ("large_batch.optimizer", "trial", "the large-batch optimizers are not built yet"),

@@ -27,3 +27,7 @@ class TrialError(DtrainError):
 
 class LaunchError(DtrainError):
     """Workers could not be started or a run dir cannot be used."""
+
+
+class SyncError(DtrainError):
+    """Ranks cannot stay in step: a parameter without gradient, ranks that disagree on the data or schedule."""

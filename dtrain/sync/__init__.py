@@ -14,6 +14,8 @@ def build_strategy(config: ExperimentConfig, topology: Topology) -> SyncStrategy
     """The strategy the config names, configured from its `distributed` and `optimizations` sections."""
     name = config.distributed.strategy
     if name == "allreduce":
-        return AllReduceStrategy(topology, bucket_cap_mb=config.optimizations.tensor_fusion_threshold,
+        return AllReduceStrategy(topology, op=config.distributed.op,
+                                 bucket_cap_mb=config.optimizations.tensor_fusion_threshold,
+                                 auto_tune_fusion=config.optimizations.auto_tune_tensor_fusion,
                                  find_unused_parameters=config.distributed.find_unused_parameters)
     raise ValueError(f"strategy {name!r} is not built")  # check_buildable() refuses it before we get here

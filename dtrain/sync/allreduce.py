@@ -1,59 +1,197 @@
-"""Synchronous data parallelism by ring all-reduce: torch DDP's reducer buckets gradients and overlaps
-their all-reduce with the rest of the backward pass; every replica applies the same averaged gradient."""
+"""Synchronous data parallelism by all-reduce: torch DDP's C++ reducer buckets gradients and overlaps their
+communication with the rest of the backward pass; dtrain decides what a bucket's communication is (average,
+sum or Adasum, through `hooks.combine_bucket`) and how big buckets are (fixed, or tuned while training).
+
+With op `average` and no compressor the reducer's own C++ all-reduce runs (no Python in the backward
+pass); any other op registers dtrain's comm hook. Every replica applies the same combined gradient, so
+the replicas stay identical.
+"""
 
 from __future__ import annotations
 
+import gc
+import logging
+import re
+import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.comm import Topology
+from dtrain.errors import SyncError
+from dtrain.sync.fusion import BYTES_PER_MB, FusionTuner, candidate_bucket_sizes
+from dtrain.sync.hooks import Compressor, HookState, NoCompression, Op, combine_bucket
+
+log = logging.getLogger(__name__)
+
+_UNUSED = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)")
+
+
+def unfinished_reduction_error(exc: RuntimeError, names: list[str]) -> SyncError | None:
+    """DDP's error for parameters that got no gradient (their bucket's all-reduce never started on this
+    rank, so the other ranks would wait for it) as one line that names them and says what to set."""
+    if "Expected to have finished reduction" not in str(exc):
+        return None
+    found = _UNUSED.search(str(exc))
+    unused = [names[int(i)] for i in found.group(2).split() if int(i) < len(names)] if found else []
+    which = f" ({', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''})" if unused else ""
+    return SyncError(f"model parameters got no gradient in this step{which}, so their all-reduce never ran on "
+                     "this rank and the other ranks would wait for it; set `distributed.find_unused_parameters: "
+                     "true` for models whose forward pass skips parameters")
+
+
+class Replica(nn.Module):
+    """The module the Trainer runs: it forwards to the current DDP wrapper, which fusion tuning replaces."""
+
+    def __init__(self, ddp: DistributedDataParallel, names: list[str]) -> None:
+        super().__init__()
+        self.ddp = ddp
+        self.parameter_names = names
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.ddp(*args, **kwargs)
+        except RuntimeError as exc:
+            raise unfinished_reduction_error(exc, self.parameter_names) or exc from None
+
+    def check_reduction_finished(self) -> None:
+        """Raise SyncError at once if a parameter got no gradient in the backward pass that just ran."""
+        try:
+            self.ddp._check_reducer_finalized()
+        except RuntimeError as exc:
+            raise unfinished_reduction_error(exc, self.parameter_names) or exc from None
 
 
 class AllReduceStrategy:
-    """DDP with buckets of `bucket_cap_mb`; with one process the model runs unwrapped (nothing to sync)."""
+    """DDP with buckets of `bucket_cap_mb` (or tuned ones) and the comm hook for `op`; with one process the
+    model runs unwrapped (nothing to synchronize)."""
 
     name = "allreduce"
 
-    def __init__(self, topology: Topology, *, bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False
-                 ) -> None:
+    def __init__(self, topology: Topology, *, op: Op = "average", bucket_cap_mb: float = 25.0,
+                 auto_tune_fusion: bool = False, find_unused_parameters: bool = False,
+                 compressor: Compressor | None = None, tuner_steps_per_visit: int = 6,
+                 tuner_rounds: int = 3, tuner_warmup_steps: int = 5) -> None:
         self.topology = topology
+        self.op: Op = op
         self.bucket_cap_mb = bucket_cap_mb
+        self.auto_tune_fusion = auto_tune_fusion
         self.find_unused_parameters = find_unused_parameters
+        self.compressor = compressor
+        self._tuner_settings = (tuner_steps_per_visit, tuner_rounds, tuner_warmup_steps)
+        self.tuner: FusionTuner | None = None
+        self._tuning_restored: dict[str, Any] | None = None
         self._model: nn.Module | None = None
-        self._wrapped: nn.Module | None = None
+        self._replica: Replica | None = None
+        self._last_step_end: float | None = None
+
+    # ------------------------------------------------------------------------------------ protocol
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         self._model = model
         if not self.topology.is_distributed:
-            self._wrapped = model
             return model
-        device_ids = [self.topology.device.index] if self.topology.device.type == "cuda" else None
-        self._wrapped = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb,
-                                                find_unused_parameters=self.find_unused_parameters,
-                                                gradient_as_bucket_view=True)
-        return self._wrapped
+        if self.auto_tune_fusion and self._tuning_restored is None:
+            model_mb = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / BYTES_PER_MB
+            candidates = candidate_bucket_sizes(model_mb, self.bucket_cap_mb)
+            if len(candidates) > 1:
+                steps, rounds, warmup = self._tuner_settings
+                self.tuner = FusionTuner(candidates, steps_per_visit=steps, rounds=rounds, warmup_steps=warmup)
+                self.bucket_cap_mb = self.tuner.current
+        names = [name for name, p in model.named_parameters() if p.requires_grad]  # DDP's parameter indices
+        self._replica = Replica(self._build_ddp(model, init_sync=True), names)
+        return self._replica
 
     def unwrap_model(self) -> nn.Module:
         assert self._model is not None, "wrap_model() first"
         return self._model
 
     def no_sync(self) -> AbstractContextManager[Any]:
-        if isinstance(self._wrapped, DistributedDataParallel):
-            return self._wrapped.no_sync()
+        if self._replica is not None:
+            return self._replica.ddp.no_sync()
+        return nullcontext()
+
+    def join(self) -> AbstractContextManager[Any]:
+        """For loops where ranks run different numbers of steps: a rank that ran out of data keeps
+        answering the others' all-reduces with zero gradients until every rank is done."""
+        if self._replica is not None:
+            return Join([self._replica.ddp])
         return nullcontext()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._replica is not None:
+            self._replica.check_reduction_finished()
         optimizer.step()
+        if self.tuner is not None and not self.tuner.done:
+            self._tune_step()
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        state: dict[str, Any] = {"bucket_cap_mb": self.bucket_cap_mb}
+        if self.tuner is not None:
+            state["fusion_tuning"] = self.tuner.state_dict()
+        elif self._tuning_restored is not None:
+            state["fusion_tuning"] = self._tuning_restored
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        del state
+        """Resume with the bucket size a finished tuning chose (an unfinished one starts again)."""
+        tuning = state.get("fusion_tuning")
+        if tuning is not None and tuning.get("done"):
+            self._tuning_restored = tuning
+            self.bucket_cap_mb = float(state["bucket_cap_mb"])
+
+    def describe(self) -> dict[str, Any]:
+        info: dict[str, Any] = {"name": self.name, "op": self.op, "bucket_cap_mb": self.bucket_cap_mb,
+                                "auto_tune_tensor_fusion": self.auto_tune_fusion}
+        tuning = self.state_dict().get("fusion_tuning")
+        if tuning is not None:
+            info["fusion_tuning"] = {**tuning, "restored": self.tuner is None}
+        return info
 
     def close(self) -> None:
-        self._wrapped = None
+        self._replica = None
+
+    # ------------------------------------------------------------------------------------- internals
+
+    def _build_ddp(self, model: nn.Module, *, init_sync: bool) -> DistributedDataParallel:
+        """Gradients live in the buckets (no copy back) and are copied in one batched op per bucket."""
+        device_ids = [self.topology.device.index] if self.topology.device.type == "cuda" else None
+        ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb,  # type: ignore[arg-type]
+                                      find_unused_parameters=self.find_unused_parameters,
+                                      gradient_as_bucket_view=True, batched_grad_copy=True, init_sync=init_sync)
+        compressor = self.compressor or NoCompression()
+        if self.op != "average" or not isinstance(compressor, NoCompression):
+            ddp.register_comm_hook(HookState(self.op, compressor=compressor), combine_bucket)
+        return ddp
+
+    def _tune_step(self) -> None:
+        """Time the step that just ended; at the end of a visit agree on its time and move to the next size."""
+        assert self.tuner is not None and self._replica is not None and self._model is not None
+        now = time.perf_counter()
+        # the very first step has no start time; it is a warm-up step, which observe() does not time
+        self.tuner.observe(now - self._last_step_end if self._last_step_end is not None else float("nan"))
+        if self.tuner.visit_complete():
+            reduced = torch.tensor([self.tuner.local_median()], dtype=torch.float64)
+            dist.all_reduce(reduced)
+            previous = self.tuner.current
+            self.tuner.finish_visit(float(reduced.item()) / self.topology.world_size)
+            if self.tuner.done:
+                log.info(self.tuner.report())
+            if self.tuner.current != previous:
+                self._switch_bucket_size(self.tuner.current)
+        self._last_step_end = time.perf_counter()
+
+    def _switch_bucket_size(self, bucket_cap_mb: float) -> None:
+        """Replace the DDP wrapper by one with other buckets; replicas are identical, so no initial sync."""
+        assert self._replica is not None and self._model is not None
+        for parameter in self._model.parameters():
+            parameter.grad = None  # they may be views of the old wrapper's buckets
+        self._replica.ddp = None  # type: ignore[assignment]
+        gc.collect()  # the old reducer removes its autograd hooks when it is freed
+        self.bucket_cap_mb = bucket_cap_mb
+        self._replica.ddp = self._build_ddp(self._model, init_sync=False)

@@ -2,6 +2,12 @@
 
 A strategy decides how replicas stay consistent: it wraps the model for the forward pass, says how
 backward passes that must not communicate are run (gradient aggregation), and applies an update.
+
+Contract with the Trainer: before backward, each rank scales its loss by world_size * weight / k, where
+weight is the rank's share of the global batch and k the aggregation frequency (1/k only with
+`average_aggregated_gradients`). With even batches that factor is 1/k, and a strategy that averages
+(sum / world_size) then yields exactly the full-batch gradient, for uneven batches too; `sum` and `adasum`
+combine the same relatively weighted gradients. Strategies never rescale gradients themselves.
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ class SyncStrategy(Protocol):
         """A context for backward passes whose gradients are only accumulated locally."""
         ...
 
+    def join(self) -> AbstractContextManager[Any]:
+        """A context for loops in which ranks may run different numbers of steps (uneven inputs): ranks
+        that finished early keep answering the others' communication so that nobody waits forever."""
+        ...
+
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Apply one update after the communicating backward pass (gradients are synchronized by then)."""
         ...
@@ -40,6 +51,10 @@ class SyncStrategy(Protocol):
         ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """What the strategy runs with (op, bucket size, tuning results), for the run's summary."""
         ...
 
     def close(self) -> None:

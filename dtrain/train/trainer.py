@@ -23,7 +23,7 @@ from dtrain.comm import Topology, all_gather_object, all_reduce_sums, broadcast_
 from dtrain.config import ExperimentConfig, Length
 from dtrain.data.arrays import keep_batch
 from dtrain.data.sharding import BatchSplit, ShardedBatchSampler, split_global_batch, validation_shard
-from dtrain.errors import TrialError
+from dtrain.errors import SyncError, TrialError
 from dtrain.sync import SyncStrategy, build_strategy
 from dtrain.train import checkpoint as ckpt
 from dtrain.train.metrics import MetricsWriter
@@ -145,12 +145,17 @@ class Trainer:
     """Runs one trial in this process, in lockstep with the other ranks."""
 
     def __init__(self, *, config: ExperimentConfig, trial_class: type[Trial], topology: Topology,
-                 run_info: RunInfo, context_overrides: Mapping[str, Any] | None = None) -> None:
+                 run_info: RunInfo, context_overrides: Mapping[str, Any] | None = None,
+                 batch_split: BatchSplit | None = None) -> None:
+        """`batch_split` gives per-rank batch sizes (uneven ones too: each rank's gradient is weighted by its
+        share); by default the global batch is cut evenly."""
         self.config = config
         self.topology = topology
         self.run_info = run_info
         self.run_dir = run_info.run_dir
-        self.split = split_global_batch(config.global_batch_size, topology.world_size)
+        self.split = batch_split or split_global_batch(config.global_batch_size, topology.world_size)
+        if len(self.split.per_rank) != topology.world_size:
+            raise ValueError(f"batch_split has {len(self.split.per_rank)} ranks, the run {topology.world_size}")
         self.seed = config.reproducibility.experiment_seed
         seed_everything(self.seed)  # identical initial weights on every rank
         self.context = TrialContext(
@@ -167,6 +172,7 @@ class Trainer:
     def _build(self) -> None:
         self.train_data = self._dataset(self.trial.build_training_data(), "build_training_data")
         self.val_data = self._dataset(self.trial.build_validation_data(), "build_validation_data")
+        self._check_same_data_on_all_ranks()
         self.schedule = resolve_schedule(self.config, len(self.train_data), self.split)
         self.context.batches_per_epoch = self.schedule.data_batches_per_epoch
         self.context.total_batches = self.schedule.total_batches
@@ -192,6 +198,18 @@ class Trainer:
         if len(data) == 0:
             raise TrialError(f"{where}() returned an empty dataset")
         return data
+
+    def _check_same_data_on_all_ranks(self) -> None:
+        """Ranks must agree on the data's size, or one would run out of batches first and the others would
+        wait for it forever; say so at once instead."""
+        if not self.topology.is_distributed:
+            return
+        sizes = all_gather_object((len(self.train_data), len(self.val_data)))
+        if len(set(sizes)) > 1:
+            shown = ", ".join(f"rank {rank}: {train} training / {val} validation records"
+                              for rank, (train, val) in enumerate(sizes))
+            raise SyncError(f"the ranks built datasets of different sizes ({shown}); every rank must build the "
+                            "same (whole) dataset - dtrain shards it - so that all ranks run the same steps")
 
     def _restore(self) -> bool:
         """Load the latest complete checkpoint (read by rank 0, broadcast to the others); False if none."""
@@ -487,4 +505,5 @@ class Trainer:
             "restarts": self.topology.restart_count,
             "resumes": state.resumes,
             "tensorboard": str(self.run_dir / "tensorboard"),
+            "strategy": self.strategy.describe(),
         }

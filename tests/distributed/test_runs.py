@@ -82,6 +82,28 @@ def test_stopped_run_resumes_bitwise_identical(clean_run: Path, tmp_path: Path) 
     assert [e["metrics"] for e in summary["validation_history"]] == [e["metrics"] for e in clean_history]
 
 
+def test_auto_tuned_fusion_run_resumes_bitwise_identical(tmp_path: Path) -> None:
+    """A 2.4 MB model tunes between two bucket sizes in its first 41 batches; a run stopped after tuning
+    resumes with the size it chose and ends bitwise where an uninterrupted auto-tuned run ends."""
+    tuned = ["--set", "optimizations.auto_tune_tensor_fusion=true", "--set", "hyperparameters.hidden=8192",
+             "--set", "searcher.max_length={batches: 50}"]
+    whole = dtrain("run", CONFIG, *tuned, "--run-dir", tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr
+    assert "auto-tuned, median step ms" in whole.stdout
+    tuning = json.loads((tmp_path / "whole" / "summary.json").read_text())["strategy"]["fusion_tuning"]
+    assert tuning["done"] and len(tuning["candidates"]) == 2 and len(tuning["visits"]) == 6
+    stopped = dtrain("run", CONFIG, *tuned, "--set", "debug.stop_after_batch=45", "--run-dir", tmp_path / "resumed")
+    assert stopped.returncode == 3, stopped.stderr
+    before = json.loads((tmp_path / "resumed" / "summary.json").read_text())["strategy"]
+    resumed = dtrain("run", CONFIG, *tuned, "--run-dir", tmp_path / "resumed")
+    assert resumed.returncode == 0, resumed.stderr
+    after = json.loads((tmp_path / "resumed" / "summary.json").read_text())["strategy"]
+    assert after["bucket_cap_mb"] == before["bucket_cap_mb"]
+    assert after["fusion_tuning"]["restored"] and not before["fusion_tuning"]["restored"]
+    assert after["fusion_tuning"]["visits"] == before["fusion_tuning"]["visits"]  # kept, not tuned again
+    assert final_model(tmp_path / "resumed") == final_model(tmp_path / "whole")
+
+
 def test_crashed_worker_is_restarted_and_resumes(clean_run: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "crashed"
     marker = tmp_path / "crashed-once"
