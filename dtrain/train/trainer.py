@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import nullcontext
@@ -24,7 +25,7 @@ from dtrain.comm import Topology, all_gather_object, all_reduce_sums, broadcast_
 from dtrain.config import ExperimentConfig, Length
 from dtrain.data.arrays import keep_batch
 from dtrain.data.sharding import BatchSplit, ShardedBatchSampler, split_global_batch, validation_shard
-from dtrain.errors import ConfigError, TrialError
+from dtrain.errors import ConfigError, TrainingDiverged, TrialError
 from dtrain.optim.batch_schedule import BatchPhase, BatchPlan, resolve_changes
 from dtrain.optim.build import build_lr_schedule
 from dtrain.optim.build import build_optimizer as build_config_optimizer
@@ -485,6 +486,13 @@ class Trainer:
         reduced = all_reduce_sums(sums)
         records = reduced.pop("__records", 0.0)
         values = {name: value / records for name, value in reduced.items()} if records else {}
+        broken = sorted(name for name, value in values.items() if not math.isfinite(value))
+        if broken:  # every rank sees the same reduced sums, so all stop here together
+            raise TrainingDiverged(
+                f"training diverged: the mean training {' and '.join(broken)} up to batch {step} is not finite "
+                f"(learning rate {self.optimizer.param_groups[0]['lr']:.4g}, global batch "
+                f"{self.split.global_batch_size}); lower the rate (large_batch.base_lr or the Trial's), warm it up "
+                "(large_batch.warmup_epochs) or use large_batch.optimizer lars or lamb")
         values["samples_per_second"] = self.state.samples_trained / train_time if train_time > 0 else 0.0
         if self.topology.is_chief:
             self.metrics.training(step, self.schedule.epoch_of(step), time.perf_counter() - timeline_start, values)

@@ -182,3 +182,11 @@ def test_trial_scheduler_beside_a_config_schedule_is_one_clear_error(tmp_path: P
     assert result.returncode == 2, result.stderr
     assert "build_lr_scheduler() returned OneCycleLR" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_diverging_recipe_stops_with_one_clear_line(tmp_path: Path) -> None:
+    result = dtrain("run", FIXTURES / "digits.yaml", "--set", "large_batch.optimizer=sgd", "--set",
+                    "large_batch.base_lr=1e38", "--set", "scheduling_unit=5", "--run-dir", tmp_path / "run")
+    assert result.returncode == 2, result.stderr
+    assert "training diverged: the mean training loss up to batch" in result.stderr
+    assert "Traceback" not in result.stderr
