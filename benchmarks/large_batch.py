@@ -41,6 +41,7 @@ CONFIG = REPO / "examples" / "fashion_mnist" / "distributed.yaml"
 BASE_BATCH = 128
 PER_SLOT_LIMIT = 512
 WORKERS = 2
+MODEL: dict[str, Any] = {}  # hyperparameters of the demo's CNN to change
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ def overrides(recipe: Recipe, batch: int, epochs: int, warmup_epochs: float) -> 
         raise SystemExit(f"batch {batch} is not a multiple of {global_batch}; use powers of two")
     values: dict[str, Any] = {
         "hyperparameters.global_batch_size": global_batch,
+        **{f"hyperparameters.{k}": v for k, v in MODEL.items()},
         "optimizations.aggregation_frequency": batch // global_batch,
         "searcher.max_length": f"{{epochs: {epochs}}}",
         "min_validation_period": "{batches: 0}",

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from dtrain.optim.common import closure_loss, guarded_ratio
+
 
 class LAMB(torch.optim.Optimizer):
     """Adam's direction, decoupled weight decay, and a per-tensor trust ratio ||w|| / ||update||.
@@ -53,10 +55,7 @@ class LAMB(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         scale = self._gradient_scale()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -88,9 +87,6 @@ class LAMB(torch.optim.Optimizer):
 
 def _lamb_ratio(param: torch.Tensor, update: torch.Tensor, max_ratio: float | None) -> torch.Tensor:
     """||w|| / ||u||, 1 where either norm is zero, clipped to `max_ratio` when given."""
-    weight_norm = torch.linalg.vector_norm(param)
-    update_norm = torch.linalg.vector_norm(update)
-    usable = (weight_norm > 0) & (update_norm > 0)
-    ratio = torch.where(usable, weight_norm / torch.where(usable, update_norm, 1.0), torch.ones_like(weight_norm))
+    ratio = guarded_ratio(torch.linalg.vector_norm(param), torch.linalg.vector_norm(update))
     return ratio if max_ratio is None else torch.clamp(ratio, max=max_ratio)
 

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from dtrain.optim.common import closure_loss, guarded_ratio
+
 
 class LARS(torch.optim.Optimizer):
     """SGD with momentum whose step for each tensor is scaled by its trust ratio.
@@ -37,10 +39,7 @@ class LARS(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is None:
@@ -62,7 +61,4 @@ class LARS(torch.optim.Optimizer):
 def trust_ratio(param: torch.Tensor, grad: torch.Tensor, weight_decay: float, coefficient: float) -> torch.Tensor:
     """eta * ||w|| / (||g|| + wd * ||w||), or 1 where ||w|| or the denominator is zero (a fresh zero tensor)."""
     weight_norm = torch.linalg.vector_norm(param)
-    denominator = torch.linalg.vector_norm(grad) + weight_decay * weight_norm
-    usable = (weight_norm > 0) & (denominator > 0)
-    return torch.where(usable, coefficient * weight_norm / torch.where(usable, denominator, 1.0),
-                       torch.ones_like(weight_norm))
+    return guarded_ratio(coefficient * weight_norm, torch.linalg.vector_norm(grad) + weight_decay * weight_norm)

@@ -15,18 +15,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dtrain.comm import Topology, barrier
-from dtrain.config import load_config
 from dtrain.data.sharding import epoch_permutation, split_global_batch
 from dtrain.train.rng import seed_everything
-from dtrain.train.rundir import load_run_info, prepare_run_dir
 from dtrain.train.store import RunStore
-from dtrain.train.trainer import Trainer
 from dtrain.train.trial import TrialContext
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_runs import dtrain, final_model  # noqa: E402
+from test_runs import completed_run, dtrain, final_model  # noqa: E402
+from test_trainer_ddp import _train  # noqa: E402
 
 BASE_LR, BASE_BATCH, WARMUP, MILESTONE = 0.05, 12, 0.5, 2.5
 RAW: dict[str, Any] = {
@@ -41,19 +38,6 @@ RAW: dict[str, Any] = {
                     # per-slot 12 -> 24 at epoch 1; at epoch 2 a per-slot 48 would pass 24, so k 1 -> 2
                     "batch_size_schedule": {"epochs": [1, 2], "factor": 2, "max_per_slot_batch": 24}},
 }
-
-
-def _train(topology: Topology, run_dir: str, raw: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    sys.path.insert(0, str(FIXTURES))
-    from digits_trial import DigitsTrial
-
-    config = load_config(None, raw=raw).config
-    if topology.rank == 0:
-        prepare_run_dir(config, Path(run_dir), FIXTURES)
-    barrier()
-    trainer = Trainer(config=config, trial_class=DigitsTrial, topology=topology, run_info=load_run_info(Path(run_dir)))
-    summary = trainer.fit()
-    return {k: v.clone() for k, v in trainer.model.state_dict().items()}, summary
 
 
 def _reference(raw: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[tuple[int, float, int]]]:
@@ -106,9 +90,9 @@ def _reference(raw: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[tuple
 
 def test_trainer_follows_the_reference_recipe(spawn: Any, tmp_path: Path) -> None:
     raw = copy.deepcopy(RAW)
-    results = spawn(_train, 2, str(tmp_path / "run"), raw)
+    state, other = spawn(_train, 2, str(tmp_path / "run"), raw)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     expected, updates = _reference(raw)
-    (state, summary), (other, _) = results
     for name, value in expected.items():
         assert float((state[name] - value).abs().max() / value.abs().max()) < 1e-9, name
         assert torch.equal(state[name], other[name])
@@ -136,10 +120,7 @@ def _training_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 @pytest.fixture(scope="module")
 def clean_large_batch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("large_batch")
-    result = dtrain("run", CONFIG, "--run-dir", root / "run", env={"DTRAIN_RUNS_ROOT": str(root / "runs")})
-    assert result.returncode == 0, result.stderr
-    return root / "run"
+    return completed_run(CONFIG, tmp_path_factory.mktemp("large_batch"))
 
 
 def test_config_recipe_runs_with_the_promised_rate_and_batch(clean_large_batch_run: Path) -> None:
