@@ -41,7 +41,7 @@ CONFIG = REPO / "examples" / "fashion_mnist" / "distributed.yaml"
 BASE_BATCH = 128
 PER_SLOT_LIMIT = 512
 WORKERS = 2
-MODEL: dict[str, Any] = {}  # hyperparameters of the demo's CNN to change
+MODEL: dict[str, Any] = {"batch_norm": True}  # the demo's CNN with batch norm after each conv
 
 
 @dataclass(frozen=True)
@@ -227,7 +227,8 @@ def plot(rows: list[dict[str, Any]], batches: list[int], path: Path, epochs: int
     done = [r["accuracy"] * 100 for r in rows if r["accuracy"] is not None]
     if done:
         axes.set_ylim(max(min(done) - 2, 0), min(max(done) + 1, 100))
-    axes.set_title(f"Fashion-MNIST, {epochs} epochs, {WORKERS} workers (x: diverged, off the scale)")
+    axes.set_title(f"Fashion-MNIST, {epochs} epoch{'s' if epochs != 1 else ''} each, {WORKERS} workers"
+                   + (" (x: diverged)" if any(r["accuracy"] is None for r in rows) else ""))
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
     figure.tight_layout()
@@ -241,7 +242,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="batches 128 and 2048, 1 epoch; writes large_batch_quick.*")
     parser.add_argument("--epochs", type=int, help="epochs per run, the same for all (default 8; 1 with --quick)")
-    parser.add_argument("--warmup-epochs", type=float, default=2.0, help="warm-up length for (c), (d), (e) (default 2)")
+    parser.add_argument("--warmup-epochs", type=float,
+                        help="warm-up length for (c), (d), (e) (default 2; 0.25 with --quick)")
     parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")],
                         help="comma-separated batch sizes, the first is the base (default 128,512,2048,8192)")
     parser.add_argument("--recipes", type=lambda s: s.split(","),
@@ -253,6 +255,7 @@ def main() -> None:
     from common import RESULTS, machine_info, write_results
 
     epochs = args.epochs or (1 if args.quick else 8)
+    warmup_epochs = args.warmup_epochs if args.warmup_epochs is not None else (0.25 if args.quick else 2.0)
     batches = args.batches or ([128, 2048] if args.quick else [128, 512, 2048, 8192])
     recipes = [r for r in RECIPES if args.recipes is None or r.key in args.recipes]
     name = args.name or ("large_batch_quick" if args.quick else "large_batch")
@@ -269,7 +272,7 @@ def main() -> None:
             if same is not None:
                 row = dict(same, recipe=recipe.key, label=recipe.label, same_run_as=same["recipe"])
             else:
-                row = run_one(recipe, batch, epochs, args.warmup_epochs, workdir)
+                row = run_one(recipe, batch, epochs, warmup_epochs, workdir)
             rows.append(row)
             shown = "diverged" if row["accuracy"] is None else f"{row['accuracy'] * 100:.2f} %"
             print(f"[{index}/{len(plan)}] {recipe.label} at batch {batch}: {shown} "
@@ -279,9 +282,9 @@ def main() -> None:
     command = " ".join(["python benchmarks/large_batch.py", *sys.argv[1:]])
     RESULTS.mkdir(parents=True, exist_ok=True)
     plot(rows, batches, RESULTS / f"{name}.png", epochs)
-    text = markdown(rows, batches, head, epochs, args.warmup_epochs, command).replace("large_batch.png", f"{name}.png")
+    text = markdown(rows, batches, head, epochs, warmup_epochs, command).replace("large_batch.png", f"{name}.png")
     path = write_results(name, head, rows, text, machine_info(),
-                         extra={"epochs": epochs, "workers": WORKERS, "warmup_epochs": args.warmup_epochs})
+                         extra={"epochs": epochs, "workers": WORKERS, "warmup_epochs": warmup_epochs})
     print(json.dumps({k: v for k, v in head.items() if k != "accuracy_percent"}, indent=2))
     print(f"results: {path} and {path.with_suffix('.md')}, plot {RESULTS / (name + '.png')}")
 
