@@ -48,6 +48,7 @@ test-distributed: setup
 bench: setup
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/demo_vs_ddp.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/sync_vs_ddp.py
+	flock /tmp/dtrain-bench.lock $(PY) benchmarks/large_batch.py
 
 lint: setup
 	$(VENV)/bin/ruff check dtrain tests benchmarks examples

@@ -118,11 +118,133 @@ class Distributed(_Section):
     find_unused_parameters: bool = False
 
 
+class Decay(_Section):
+    """How the rate falls after warm-up: `step` (x gamma at each milestone epoch), `cosine` or `poly`."""
+
+    name: Literal["none", "step", "cosine", "poly"] = "none"
+    milestones: list[float] = Field(default_factory=list, description="epochs where `step` multiplies by gamma")
+    gamma: float = Field(default=0.1, gt=0, le=1)
+    final_fraction: float = Field(default=0.0, ge=0, le=1, description="cosine/poly: end rate as a share of the peak")
+    power: float = Field(default=2.0, gt=0, description="poly: exponent of (1 - progress)")
+
+    @model_validator(mode="after")
+    def _milestones_for_step_only(self) -> Decay:
+        if self.name == "step":
+            if not self.milestones:
+                raise ValueError("decay `step` needs milestones (epochs where the rate is multiplied by gamma); "
+                                 "write e.g. `decay: {name: step, milestones: [6, 8]}`")
+            if any(b <= a for a, b in zip(self.milestones, self.milestones[1:], strict=False)):
+                raise ValueError(f"decay.milestones {self.milestones} must increase strictly; sort them")
+        elif self.milestones:
+            raise ValueError(f"decay.milestones are for decay `step`, not `{self.name}`; remove them or use "
+                             "`name: step`")
+        return self
+
+
+class BatchSizeSchedule(_Section):
+    """Multiply the global batch at given epochs instead of decaying the rate (Smith et al. 2017)."""
+
+    epochs: list[float] = Field(min_length=1, description="epochs at which the global batch is multiplied")
+    factor: int | list[int] = Field(default=2, description="the multiplier, or one per milestone")
+    grow: Literal["per_slot_batch", "aggregation_frequency"] = "per_slot_batch"
+    max_per_slot_batch: int | None = Field(default=None, ge=1, description="above it, grow aggregation instead")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> BatchSizeSchedule:
+        if any(e <= 0 for e in self.epochs) or any(b <= a for a, b in zip(self.epochs, self.epochs[1:], strict=False)):
+            raise ValueError(f"batch_size_schedule.epochs {self.epochs} must be positive and increase strictly; "
+                             "write e.g. `epochs: [4, 8]`")
+        factors = self.factors
+        if len(factors) != len(self.epochs):
+            raise ValueError(f"batch_size_schedule.factor lists {len(factors)} factors for {len(self.epochs)} "
+                             "epochs; give one per epoch or a single number")
+        if any(f < 2 for f in factors):
+            raise ValueError(f"batch_size_schedule.factor {self.factor} must be whole numbers >= 2 (the global "
+                             "batch is multiplied); write e.g. `factor: 2`")
+        if self.max_per_slot_batch is not None and self.grow != "per_slot_batch":
+            raise ValueError("batch_size_schedule.max_per_slot_batch applies to `grow: per_slot_batch` only; "
+                             "remove it")
+        return self
+
+    @property
+    def factors(self) -> list[int]:
+        return list(self.factor) if isinstance(self.factor, list) else [self.factor] * len(self.epochs)
+
+
+# Optimizer options of `large_batch` and the optimizers they apply to (None = that optimizer's default).
+OPTIMIZER_OPTIONS: dict[str, tuple[str, ...]] = {
+    "base_lr": ("sgd", "lars", "lamb", "radam", "adam", "adamw"),
+    "weight_decay": ("sgd", "lars", "lamb", "radam", "adam", "adamw"),
+    "momentum": ("sgd", "lars"),
+    "nesterov": ("sgd",),
+    "trust_coefficient": ("lars",),
+    "exclude_bias_and_norm": ("lars", "lamb"),
+    "betas": ("lamb", "radam", "adam", "adamw"),
+    "eps": ("lamb", "radam", "adam", "adamw"),
+    "bias_correction": ("lamb",),
+    "max_grad_norm": ("lamb",),
+    "max_trust_ratio": ("lamb",),
+}
+
+
 class LargeBatch(_Section):
-    optimizer: Literal["trial", "sgd", "lars", "lamb", "radam", "adam"] = "trial"
+    """Large-batch recipes: an optimizer built from config, LR scaling, warm-up, decay, batch-size schedule."""
+
+    optimizer: Literal["trial", "sgd", "lars", "lamb", "radam", "adam", "adamw"] = "trial"
+    base_lr: float | None = Field(default=None, gt=0, description="rate at base_batch_size; default "
+                                                                  "hyperparameters.learning_rate")
+    weight_decay: float | None = Field(default=None, ge=0, description="default hyperparameters.weight_decay, else 0")
+    momentum: float | None = Field(default=None, ge=0, lt=1)
+    nesterov: bool | None = None
+    trust_coefficient: float | None = Field(default=None, gt=0)
+    exclude_bias_and_norm: bool | None = None
+    betas: tuple[float, float] | None = None
+    eps: float | None = Field(default=None, gt=0)
+    bias_correction: bool | None = None
+    max_grad_norm: float | None = Field(default=None, gt=0)
+    max_trust_ratio: float | None = Field(default=None, gt=0)
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
     base_batch_size: int | None = Field(default=None, ge=1)
     warmup_epochs: float = Field(default=0.0, ge=0)
+    decay: Decay = Field(default_factory=Decay)
+    batch_size_schedule: BatchSizeSchedule | None = None
+
+    @field_validator("decay", mode="before")
+    @classmethod
+    def _decay_by_name(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
+        if value is not None and not all(0 <= b < 1 for b in value):
+            raise ValueError(f"betas {list(value)} must both be in [0, 1); write e.g. `betas: [0.9, 0.999]`")
+        return value
+
+    @model_validator(mode="after")
+    def _coherent(self) -> LargeBatch:
+        for key, optimizers in OPTIMIZER_OPTIONS.items():
+            if getattr(self, key) is not None and self.optimizer not in optimizers:
+                owner = ("an optimizer named in large_batch.optimizer (the Trial's optimizer sets its own)"
+                         if self.optimizer == "trial" else f"optimizer {' or '.join(optimizers)}")
+                raise ValueError(f"large_batch.{key} applies to {owner}, not to `{self.optimizer}`; remove it or "
+                                 "change large_batch.optimizer")
+        if self.lr_scaling != "none" and self.base_batch_size is None:
+            raise ValueError(f"large_batch.lr_scaling `{self.lr_scaling}` needs large_batch.base_batch_size (the "
+                             "global batch the base rate was tuned at); add e.g. `base_batch_size: 128`")
+        if self.warmup_epochs > 0 and self.lr_scaling == "none":
+            raise ValueError(f"large_batch.warmup_epochs ({self.warmup_epochs:g}) ramps from the base rate to the "
+                             "scaled rate, which lr_scaling `none` makes equal; set lr_scaling to linear or sqrt, "
+                             "or remove warmup_epochs")
+        if self.decay.milestones and self.decay.milestones[0] < self.warmup_epochs:
+            raise ValueError(f"large_batch.decay.milestones start at epoch {self.decay.milestones[0]:g}, inside the "
+                             f"warm-up ({self.warmup_epochs:g} epochs); decay starts after warm-up, so move them later")
+        return self
+
+    @property
+    def schedules_lr(self) -> bool:
+        """Whether the config sets the learning rate over time (scaling, warm-up or decay)."""
+        return self.lr_scaling != "none" or self.warmup_epochs > 0 or self.decay.name != "none"
 
 
 class Reproducibility(_Section):
@@ -200,6 +322,20 @@ class ExperimentConfig(_Section):
         if gbs < world:
             raise ValueError(f"hyperparameters.global_batch_size ({gbs}) must be >= resources.slots_per_trial "
                              f"({world}); raise it to {world} or use fewer slots")
+        return self
+
+    @model_validator(mode="after")
+    def _large_batch_rate(self) -> ExperimentConfig:
+        lb = self.large_batch
+        if lb.optimizer == "trial" or lb.base_lr is not None:
+            return self
+        rate = self.hyperparameters.get("learning_rate")
+        if rate is None:
+            raise ValueError(f"large_batch.optimizer `{lb.optimizer}` needs a base learning rate; set "
+                             "large_batch.base_lr (or hyperparameters.learning_rate), e.g. `base_lr: 0.1`")
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0:
+            raise ValueError(f"hyperparameters.learning_rate ({rate!r}) is the base rate of large_batch.optimizer "
+                             f"`{lb.optimizer}` and must be a positive number; fix it or set large_batch.base_lr")
         return self
 
     @property
@@ -394,8 +530,8 @@ def _explain_one(error: Any, data: dict[str, Any], override_keys: list[str]) -> 
         return f"`{dotted}` is required{origin}; add it, e.g. {_example(loc)}"
     if kind == "value_error":
         message = str(ctx.get("error", error["msg"]))
-        return (f"`{dotted}`{origin}: {message}" if dotted and not message.startswith(("hyperparameters", "entrypoint"))
-                else message + origin)
+        self_named = message.startswith(("hyperparameters", "entrypoint", "large_batch"))
+        return f"`{dotted}`{origin}: {message}" if dotted and not self_named else message + origin
     shown = f"{value!r}"
     if kind in ("greater_than_equal", "greater_than"):
         bound = ctx.get("ge", ctx.get("gt"))
@@ -476,9 +612,6 @@ _NOT_BUILT_YET: list[tuple[str, Any, str]] = [
     ("optimizations.gradient_compression", False, "gradient compression is not built yet"),
     ("optimizations.mixed_precision", "O0", "mixed precision is not built yet"),
     ("searcher.name", "single", "hyperparameter search is not built yet; one trial runs per experiment"),
-    ("large_batch.optimizer", "trial", "the large-batch optimizers are not built yet"),
-    ("large_batch.lr_scaling", "none", "learning-rate scaling is not built yet"),
-    ("large_batch.warmup_epochs", 0.0, "learning-rate warm-up is not built yet"),
     ("profiling.enabled", False, "the profiler is not built yet"),
 ]
 

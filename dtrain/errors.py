@@ -25,6 +25,10 @@ class TrialError(DtrainError):
     """The user's Trial class cannot be found or does not honour the Trial API."""
 
 
+class TrainingDiverged(DtrainError):
+    """The training loss became NaN or infinite: the recipe (learning rate, warm-up, optimizer) needs changing."""
+
+
 class LaunchError(DtrainError):
     """Workers could not be started or a run dir cannot be used."""
 

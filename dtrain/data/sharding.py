@@ -71,26 +71,28 @@ class ShardedBatchSampler:
 
     Every epoch is one permutation of the dataset cut into `len(self)` full global batches (an incomplete
     last batch is dropped, so that every step trains on exactly the configured global batch); rank r takes
-    its slice of each. Starting at `start_batch` lets a resumed run continue in the middle of an epoch.
+    its slice of each. Starting at `start_batch` lets a resumed run continue in the middle of an epoch;
+    `start_record` (instead) starts at any record, where a batch-size schedule changed the global batch.
     """
 
     def __init__(self, num_records: int, split: BatchSplit, rank: int, seed: int, epoch: int,
-                 start_batch: int = 0) -> None:
+                 start_batch: int = 0, *, start_record: int | None = None) -> None:
         if num_records < split.global_batch_size:
             raise ConfigError(f"the training data has {num_records} records, fewer than one global batch "
                               f"({split.global_batch_size}); lower hyperparameters.global_batch_size")
         self.num_records, self.split, self.rank = num_records, split, rank
-        self.seed, self.epoch, self.start_batch = seed, epoch, start_batch
+        self.seed, self.epoch = seed, epoch
+        self.start_record = start_batch * split.global_batch_size if start_record is None else start_record
 
     def __len__(self) -> int:
-        return self.num_records // self.split.global_batch_size - self.start_batch
+        return max(self.num_records - self.start_record, 0) // self.split.global_batch_size
 
     def __iter__(self) -> Iterator[list[int]]:
         order = epoch_permutation(self.num_records, self.seed, self.epoch)
         global_size = self.split.global_batch_size
-        start = self.split.offsets()[self.rank]
+        start = self.start_record + self.split.offsets()[self.rank]
         size = self.split.per_rank[self.rank]
-        for batch in range(self.start_batch, self.num_records // global_size):
+        for batch in range(len(self)):
             base = batch * global_size + start
             yield order[base:base + size].tolist()
 

@@ -23,12 +23,20 @@ class Progress:
         self.report_every = report_every
         self._start_time = time.perf_counter()
         self._start_step = done_batches
+        self._earlier_samples = 0  # trained at earlier global batch sizes (batch-size schedule)
         self._bar = (tqdm(total=total_batches, initial=done_batches, unit="batch", dynamic_ncols=True,
                           mininterval=0.5, smoothing=0.05, file=sys.stderr) if self.interactive else None)
 
     def samples_per_second(self, step: int) -> float:
         elapsed = time.perf_counter() - self._start_time
-        return (step - self._start_step) * self.global_batch_size / elapsed if elapsed > 0 else 0.0
+        samples = self._earlier_samples + (step - self._start_step) * self.global_batch_size
+        return samples / elapsed if elapsed > 0 else 0.0
+
+    def change_global_batch(self, step: int, global_batch_size: int) -> None:
+        """From batch `step` on, batches hold `global_batch_size` records (a batch-size schedule grew them)."""
+        self._earlier_samples += (step - self._start_step) * self.global_batch_size
+        self._start_step = step
+        self.global_batch_size = global_batch_size
 
     def update(self, step: int, epoch: float, loss: float) -> None:
         """Record that `step` batches are done; `loss` is this rank's latest training loss."""

@@ -7,12 +7,14 @@ collectives always line up.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Protocol
 
 import torch
@@ -23,7 +25,11 @@ from dtrain.comm import Topology, all_gather_object, all_reduce_sums, broadcast_
 from dtrain.config import ExperimentConfig, Length
 from dtrain.data.arrays import keep_batch
 from dtrain.data.sharding import BatchSplit, ShardedBatchSampler, split_global_batch, validation_shard
-from dtrain.errors import SyncError, TrialError
+from dtrain.errors import ConfigError, SyncError, TrainingDiverged, TrialError
+from dtrain.optim.batch_schedule import BatchPhase, BatchPlan, resolve_changes
+from dtrain.optim.build import build_lr_schedule
+from dtrain.optim.build import build_optimizer as build_config_optimizer
+from dtrain.optim.lr_schedule import ScheduledLR
 from dtrain.sync import SyncStrategy, build_strategy
 from dtrain.train import checkpoint as ckpt
 from dtrain.train.metrics import MetricsWriter
@@ -76,13 +82,35 @@ class Schedule:
     """Lengths of the run in batches, resolved once the training data's size is known."""
 
     total_batches: int
-    batches_per_epoch: float
+    batches_per_epoch: float  # at the initial global batch
     data_batches_per_epoch: int
     validation_every: int
     checkpoint_every: int
+    plan: BatchPlan  # the batch-size phases: global batch and aggregation frequency of every batch
+    validation_period: Length
+    checkpoint_period: Length
 
     def epoch_of(self, step: int) -> float:
-        return step / self.batches_per_epoch
+        return float(self.plan.epoch_of(step))
+
+    @property
+    def batch_size_changes(self) -> bool:
+        return any(0 < phase.start_step < self.total_batches for phase in self.plan.phases)
+
+    def validation_due(self, step: int) -> bool:
+        return self._due(step, self.validation_period, self.validation_every)
+
+    def checkpoint_due(self, step: int) -> bool:
+        return self._due(step, self.checkpoint_period, self.checkpoint_every)
+
+    def _due(self, step: int, period: Length, every: int) -> bool:
+        """Every `every` batches; with a changing batch size, periods in records or epochs fire at the first
+        batch that reaches each multiple of the period."""
+        if not every:
+            return False
+        if period.unit == "batches" or not self.batch_size_changes:
+            return step % every == 0
+        return self.plan.crossed(step, Fraction(period.value), period.unit)
 
 
 def resolve_schedule(config: ExperimentConfig, num_records: int, split: BatchSplit) -> Schedule:
@@ -90,15 +118,20 @@ def resolve_schedule(config: ExperimentConfig, num_records: int, split: BatchSpl
     data_batches = num_records // split.global_batch_size
     per_epoch = (config.records_per_epoch / split.global_batch_size if config.records_per_epoch
                  else float(data_batches))
+    k = config.optimizations.aggregation_frequency
+    growth = config.large_batch.batch_size_schedule
+    changes = (resolve_changes(growth.epochs, growth.factors, growth.grow, growth.max_per_slot_batch,
+                               max(split.per_rank), k) if growth is not None else [])
+    plan = BatchPlan(num_records=num_records, global_batch_size=split.global_batch_size, aggregation_frequency=k,
+                     records_per_epoch=config.records_per_epoch, changes=changes)
 
     def batches(length: Length) -> int:
-        if length.unit == "epochs":
-            return math.ceil(length.value * per_epoch)
-        return length.to_batches(split.global_batch_size, config.records_per_epoch)
+        return length.value if length.unit == "batches" else plan.first_step_reaching(length.value, length.unit)
 
     return Schedule(total_batches=batches(config.searcher.max_length), batches_per_epoch=per_epoch,
                     data_batches_per_epoch=data_batches, validation_every=batches(config.min_validation_period),
-                    checkpoint_every=batches(config.min_checkpoint_period))
+                    checkpoint_every=batches(config.min_checkpoint_period), plan=plan,
+                    validation_period=config.min_validation_period, checkpoint_period=config.min_checkpoint_period)
 
 
 def move_to_device(batch: Any, device: torch.device, channels_last: bool = False) -> Any:
@@ -156,6 +189,7 @@ class Trainer:
         self.split = batch_split or split_global_batch(config.global_batch_size, topology.world_size)
         if len(self.split.per_rank) != topology.world_size:
             raise ValueError(f"batch_split has {len(self.split.per_rank)} ranks, the run {topology.world_size}")
+        self.base_split = self.split  # the configured split; a batch-size schedule multiplies it
         self.seed = config.reproducibility.experiment_seed
         seed_everything(self.seed)  # identical initial weights on every rank
         self.context = TrialContext(
@@ -176,6 +210,8 @@ class Trainer:
         self.schedule = resolve_schedule(self.config, len(self.train_data), self.split)
         self.context.batches_per_epoch = self.schedule.data_batches_per_epoch
         self.context.total_batches = self.schedule.total_batches
+        self.context.optimizer_steps_total = self.schedule.plan.optimizer_steps(self.schedule.total_batches)
+        self._phase: BatchPhase | None = None
         model = self.trial.build_model()
         if not isinstance(model, nn.Module):
             raise TrialError(f"build_model() returned {type(model).__name__}; return a torch.nn.Module")
@@ -183,12 +219,33 @@ class Trainer:
         self.model = model.to(self.topology.device)
         if self.channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-        self.optimizer = self.trial.build_optimizer(self.model)
-        if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise TrialError(f"build_optimizer() returned {type(self.optimizer).__name__}; "
-                             "return a torch.optim.Optimizer")
-        self.scheduler = self.trial.build_lr_scheduler(self.optimizer)
+        self._build_optimizer()
         self.strategy: SyncStrategy = build_strategy(self.config, self.topology)
+
+    def _build_optimizer(self) -> None:
+        """The Trial's optimizer and scheduler (`large_batch.optimizer: trial`), or the config's optimizer; either
+        way the config's LR scaling, warm-up and decay, when set, drive the rate (`self.lr_schedule`)."""
+        lb = self.config.large_batch
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        if lb.optimizer == "trial":
+            self.optimizer = self.trial.build_optimizer(self.model)
+            if not isinstance(self.optimizer, torch.optim.Optimizer):
+                raise TrialError(f"build_optimizer() returned {type(self.optimizer).__name__}; "
+                                 "return a torch.optim.Optimizer")
+            self.scheduler = self.trial.build_lr_scheduler(self.optimizer)
+            if self.scheduler is not None and lb.schedules_lr:
+                raise ConfigError(
+                    f"large_batch sets the learning rate over time (lr_scaling {lb.lr_scaling}, warmup_epochs "
+                    f"{lb.warmup_epochs:g}, decay {lb.decay.name}) and the Trial's build_lr_scheduler() returned "
+                    f"{type(self.scheduler).__name__}; both would set the same rate: remove those large_batch keys "
+                    "or return None from build_lr_scheduler()")
+        else:  # the config owns the optimizer and its schedule; the Trial's builders are not called
+            self.optimizer = build_config_optimizer(lb, self.model, self.config.hyperparameters)
+        self.lr_schedule: ScheduledLR | None = None
+        if lb.optimizer != "trial" or lb.schedules_lr:
+            first = self.schedule.plan.phases[0]
+            curve = build_lr_schedule(lb, first.records_per_update, self.schedule.epoch_of(self.schedule.total_batches))
+            self.lr_schedule = ScheduledLR(self.optimizer, curve)
 
     @staticmethod
     def _dataset(data: Any, where: str) -> SizedDataset:
@@ -233,6 +290,8 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+        if self.lr_schedule is not None and state.get("lr_schedule") is not None:
+            self.lr_schedule.load_state_dict(state["lr_schedule"])
         self.strategy.load_state_dict(state.get("strategy", {}))
         self.state = TrainerState.from_dict(state["trainer"])
         self.state.resumes += 1
@@ -277,14 +336,24 @@ class Trainer:
         self.progress.note(
             f"{self.config.name}: {how}; {self.topology.world_size} worker(s) x {self.split.per_rank[0]} records = "
             f"global batch {self.split.global_batch_size}; {s.total_batches} batches "
-            f"({s.total_batches / s.batches_per_epoch:.2f} epochs of {s.batches_per_epoch:g} batches)")
+            f"({s.epoch_of(s.total_batches):.2f} epochs of {s.batches_per_epoch:g} batches)")
+        lb = self.config.large_batch
+        if lb.optimizer != "trial":
+            self.progress.note(f"large_batch: optimizer {lb.optimizer} at base rate "
+                               f"{self.lr_schedule.base_lrs[0] if self.lr_schedule else 0:g} from the config (the "
+                               "Trial's build_optimizer() and build_lr_scheduler() are not used)")
+        if self.lr_schedule is not None and not self.lr_schedule.schedule.is_constant:
+            curve = self.lr_schedule.schedule
+            self.progress.note(f"large_batch: lr_scaling {lb.lr_scaling} x{curve.peak:.4g}, warm-up "
+                               f"{curve.warmup_epochs:g} epochs, decay {curve.decay}")
+        for phase in s.plan.phases[1:]:
+            if phase.start_step < s.total_batches:
+                self.progress.note(f"large_batch: from batch {phase.start_step} (epoch "
+                                   f"{s.epoch_of(phase.start_step):.2f}) global batch {phase.global_batch_size} "
+                                   f"x aggregation {phase.aggregation_frequency}")
 
     def _loop(self, resumed: bool) -> None:
         s, state = self.schedule, self.state
-        k = self.config.optimizations.aggregation_frequency
-        loss_scale = self.topology.world_size * self.split.weight(self.topology.rank)
-        if self.config.optimizations.average_aggregated_gradients:
-            loss_scale /= k
         stop_after = self.config.debug.stop_after_batch
         timeline_start = time.perf_counter() - state.wall_seconds
         train_time = state.training_seconds
@@ -292,10 +361,12 @@ class Trainer:
         if self.config.perform_initial_validation and not resumed and state.steps_completed == 0:
             self._validate(0, timeline_start)
         batches = self._training_batches(state.steps_completed)
+        window_start = state.steps_completed  # the batch after which the current optimizer update began
         while state.steps_completed < s.total_batches:
             step_start = time.perf_counter()
             step = state.steps_completed + 1
-            boundary = step % k == 0 or step == s.total_batches
+            loss_scale = self._enter_phase(s.plan.phase_at(step - 1), step - 1)
+            boundary = s.plan.is_boundary(step) or step == s.total_batches
             batch = move_to_device(next(batches), self.topology.device, self.channels_last)
             self.wrapped.train()
             with nullcontext() if boundary else self.strategy.no_sync():
@@ -303,10 +374,13 @@ class Trainer:
                 loss = self._loss(outputs)
                 (loss * loss_scale if loss_scale != 1.0 else loss).backward()
             if boundary:
+                lr = self._set_learning_rate(window_start)
                 self.strategy.step(self.optimizer)
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.scheduler is not None:
                     self.scheduler.step()
+                self._log_update(step, lr, timeline_start)
+                window_start = step
             size = self.split.per_rank[self.topology.rank]
             for name, value in outputs.items():
                 sums[name] = sums.get(name, 0.0) + _scalar(name, value, "train_batch()") * size
@@ -321,7 +395,7 @@ class Trainer:
                 sums = {}
             aside = time.perf_counter()
             validated = False
-            if (s.validation_every and step % s.validation_every == 0) or last:
+            if s.validation_due(step) or last:
                 metric = self._validate(step, timeline_start)
                 validated = True
             stopping = boundary and stop_after is not None and step >= stop_after and not last
@@ -340,11 +414,68 @@ class Trainer:
         if self.status == "running":
             self.status = "completed"
 
+    # ------------------------------------------------------------------ batch-size phases and the rate
+
+    def _split_of(self, phase: BatchPhase) -> BatchSplit:
+        """The configured per-rank batches multiplied by the phase's multiplier."""
+        base, times = self.base_split, phase.batch_multiplier
+        return BatchSplit(per_rank=tuple(size * times for size in base.per_rank),
+                          requested_global=base.requested_global * times)
+
+    def _enter_phase(self, phase: BatchPhase, done: int) -> float:
+        """Train the next batch with `phase`'s split and aggregation; return the loss scale for its backward
+        (world * this rank's share of the global batch, / k when aggregated gradients are averaged)."""
+        if phase is not self._phase:
+            if self._phase is not None:
+                self.progress.note(f"batch-size schedule: from batch {done} (epoch "
+                                   f"{self.schedule.epoch_of(done):.2f}) global batch {phase.global_batch_size} "
+                                   f"x aggregation {phase.aggregation_frequency}")
+            self._phase = phase
+            self.split = self._split_of(phase)
+            self.context.batch_split = self.split
+            self.context.aggregation_frequency = phase.aggregation_frequency
+            self.progress.change_global_batch(done, self.split.global_batch_size)
+            self._loss_scale = self.topology.world_size * self.split.weight(self.topology.rank)
+            if self.config.optimizations.average_aggregated_gradients:
+                self._loss_scale /= phase.aggregation_frequency
+        return self._loss_scale
+
+    def _set_learning_rate(self, window_start: int) -> float:
+        """Apply the config's schedule for the update that began after batch `window_start`; return the rate
+        this update uses (the first param group's)."""
+        if self.lr_schedule is not None:
+            return self.lr_schedule.apply(self.schedule.epoch_of(window_start))
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _log_update(self, step: int, lr: float, timeline_start: float) -> None:
+        """The rate and batch size of every optimizer update, to the store and TensorBoard (rank 0)."""
+        if self.topology.is_chief:
+            phase = self._phase
+            assert phase is not None
+            self.metrics.training(step, self.schedule.epoch_of(step), time.perf_counter() - timeline_start,
+                                  {"lr": lr, "global_batch_size": float(self.split.global_batch_size),
+                                   "effective_batch_size": float(self.split.global_batch_size
+                                                                 * phase.aggregation_frequency)})
+
+    # ------------------------------------------------------------------------------------------- data
+
     def _training_batches(self, start_step: int) -> Iterator[Any]:
-        """This rank's batches from `start_step` on, crossing epoch boundaries with a fresh shuffle each."""
-        per_epoch = self.schedule.data_batches_per_epoch
-        epoch, offset = divmod(start_step, per_epoch)
-        sampler = ShardedBatchSampler(len(self.train_data), self.split, self.topology.rank, self.seed, epoch, offset)
+        """This rank's batches from `start_step` on: each batch-size phase from its place in the data."""
+        plan, step = self.schedule.plan, start_step
+        while True:
+            phase = plan.phase_at(step)
+            end = plan.phase_end(phase)
+            batches = self._phase_batches(self._split_of(phase), *plan.position_at(step))
+            if end is None:
+                yield from batches
+                return
+            yield from itertools.islice(batches, end - step)
+            step = end
+
+    def _phase_batches(self, split: BatchSplit, data_pass: int, offset: int) -> Iterator[Any]:
+        """Batches of one split from (pass, record offset) on, crossing epoch boundaries with a fresh shuffle each."""
+        sampler = ShardedBatchSampler(len(self.train_data), split, self.topology.rank, self.seed, data_pass,
+                                      start_record=offset)
         workers = self.config.data_loader.num_workers
         collate = keep_batch if getattr(self.train_data, "returns_batches", False) else None
         loader: DataLoader[Any] = DataLoader(
@@ -354,7 +485,7 @@ class Trainer:
         while True:
             yield from loader
             sampler.epoch += 1
-            sampler.start_batch = 0
+            sampler.start_record = 0
 
     @staticmethod
     def _loss(outputs: Any) -> torch.Tensor:
@@ -373,8 +504,13 @@ class Trainer:
         reduced = all_reduce_sums(sums)
         records = reduced.pop("__records", 0.0)
         values = {name: value / records for name, value in reduced.items()} if records else {}
-        values["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        values["global_batch_size"] = float(self.split.global_batch_size)
+        broken = sorted(name for name, value in values.items() if not math.isfinite(value))
+        if broken:  # every rank sees the same reduced sums, so all stop here together
+            raise TrainingDiverged(
+                f"training diverged: the mean training {' and '.join(broken)} up to batch {step} is not finite "
+                f"(learning rate {self.optimizer.param_groups[0]['lr']:.4g}, global batch "
+                f"{self.split.global_batch_size}); lower the rate (large_batch.base_lr or the Trial's), warm it up "
+                "(large_batch.warmup_epochs) or use large_batch.optimizer lars or lamb")
         values["samples_per_second"] = self.state.samples_trained / train_time if train_time > 0 else 0.0
         if self.topology.is_chief:
             self.metrics.training(step, self.schedule.epoch_of(step), time.perf_counter() - timeline_start, values)
@@ -434,8 +570,7 @@ class Trainer:
     # ---------------------------------------------------------------------------------------- checkpoints
 
     def _checkpoint_due(self, step: int, validated: bool, last: bool) -> bool:
-        every = self.schedule.checkpoint_every
-        if last or (every and step % every == 0):
+        if last or self.schedule.checkpoint_due(step):
             return True
         if not validated:
             return False
@@ -464,6 +599,7 @@ class Trainer:
         started = time.perf_counter()
         state = {"optimizer": self.optimizer.state_dict(),
                  "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                 "lr_schedule": self.lr_schedule.state_dict() if self.lr_schedule is not None else None,
                  "strategy": self.strategy.state_dict(), "trainer": self.state.to_dict(), "rng": rng_states}
         root = self.run_dir / "checkpoints"
         ref = ckpt.write_checkpoint(root, step, self.strategy.unwrap_model().state_dict(), state,
@@ -496,7 +632,7 @@ class Trainer:
             "per_slot_batch_size": self.split.per_rank[0],
             "per_rank_batch_sizes": list(self.split.per_rank),
             "steps_completed": state.steps_completed,
-            "epochs_completed": state.steps_completed / self.schedule.batches_per_epoch,
+            "epochs_completed": self.schedule.epoch_of(state.steps_completed),
             "samples_per_second": state.samples_trained / state.training_seconds if state.training_seconds else 0.0,
             "wall_seconds": state.wall_seconds,
             "validation": history[-1]["metrics"] if history else {},
@@ -506,4 +642,9 @@ class Trainer:
             "resumes": state.resumes,
             "tensorboard": str(self.run_dir / "tensorboard"),
             "strategy": self.strategy.describe(),
+            **({"batch_size_phases": [
+                {"start_step": p.start_step, "global_batch_size": p.global_batch_size,
+                 "per_slot_batch_size": self._split_of(p).per_rank[0], "aggregation_frequency": p.aggregation_frequency}
+                for p in self.schedule.plan.phases if p.start_step < self.schedule.total_batches]}
+               if self.schedule.batch_size_changes else {}),
         }

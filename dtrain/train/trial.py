@@ -37,7 +37,8 @@ class TrialContext:
     run_dir: Path | None = None
     batches_per_epoch: int | None = None  # known once the training data exists
     total_batches: int | None = None
-    aggregation_frequency: int = 1
+    aggregation_frequency: int = 1  # of the current batch-size phase
+    optimizer_steps_total: int | None = None  # set by the Trainer (a batch-size schedule changes it)
 
     @property
     def per_slot_batch_size(self) -> int:
@@ -52,6 +53,8 @@ class TrialContext:
     @property
     def total_optimizer_steps(self) -> int | None:
         """Optimizer updates in the whole run (batches / aggregation_frequency, rounded up)."""
+        if self.optimizer_steps_total is not None:
+            return self.optimizer_steps_total
         if self.total_batches is None:
             return None
         return -(-self.total_batches // self.aggregation_frequency)

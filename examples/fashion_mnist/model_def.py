@@ -1,6 +1,7 @@
 """A small CNN on Fashion-MNIST: two 3x3 conv layers and two dense layers, SGD with a one-cycle schedule.
 
-No dropout and no batch norm, so that a distributed run can be compared exactly with a single process.
+No dropout and, by default, no batch norm, so that a distributed run can be compared exactly with a single process
+(the large-batch benchmark turns batch norm on with `hyperparameters.batch_norm: true`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,17 @@ import dtrain
 from dtrain.data import load_fashion_mnist
 
 
-def build_cnn(conv1: int = 32, conv2: int = 64, hidden: int = 128, num_classes: int = 10) -> nn.Sequential:
-    """28x28x1 -> conv 3x3 -> pool -> conv 3x3 -> pool -> dense -> dense."""
+def build_cnn(conv1: int = 32, conv2: int = 64, hidden: int = 128, num_classes: int = 10,
+              batch_norm: bool = False) -> nn.Sequential:
+    """28x28x1 -> conv 3x3 -> pool -> conv 3x3 -> pool -> dense -> dense; with `batch_norm`, each conv is followed
+    by batch normalisation (statistics per worker, as in Goyal et al.), which large learning rates need."""
+
+    def norm(channels: int) -> list[nn.Module]:
+        return [nn.BatchNorm2d(channels)] if batch_norm else []
+
     return nn.Sequential(
-        nn.Conv2d(1, conv1, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(conv1, conv2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(1, conv1, 3, padding=1), *norm(conv1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(conv1, conv2, 3, padding=1), *norm(conv2), nn.ReLU(), nn.MaxPool2d(2),
         nn.Flatten(), nn.Linear(conv2 * 7 * 7, hidden), nn.ReLU(), nn.Linear(hidden, num_classes),
     )
 
@@ -25,7 +32,8 @@ def build_cnn(conv1: int = 32, conv2: int = 64, hidden: int = 128, num_classes: 
 class FashionMNISTTrial(dtrain.Trial):
     def build_model(self) -> nn.Module:
         hp = self.context.hparams
-        return build_cnn(hp.get("conv1", 32), hp.get("conv2", 64), hp.get("hidden", 128))
+        return build_cnn(hp.get("conv1", 32), hp.get("conv2", 64), hp.get("hidden", 128),
+                         batch_norm=hp.get("batch_norm", False))
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         hp = self.context.hparams

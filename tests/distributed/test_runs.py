@@ -32,12 +32,16 @@ def final_model(run_dir: Path) -> bytes:
     return Path(summary["checkpoint"]).read_bytes()
 
 
-@pytest.fixture(scope="module")
-def clean_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("clean")
-    result = dtrain("run", CONFIG, "--run-dir", root / "run", env={"DTRAIN_RUNS_ROOT": str(root / "runs")})
+def completed_run(config: Path, root: Path) -> Path:
+    """Run `config` to the end in root/run, with its own store under root/runs; return the run dir."""
+    result = dtrain("run", config, "--run-dir", root / "run", env={"DTRAIN_RUNS_ROOT": str(root / "runs")})
     assert result.returncode == 0, result.stderr
     return root / "run"
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return completed_run(CONFIG, tmp_path_factory.mktemp("clean"))
 
 
 def test_clean_run_writes_the_contract_files(clean_run: Path) -> None:

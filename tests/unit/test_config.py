@@ -149,6 +149,26 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], str]] = [
     ("bool that is not", config_with(perform_initial_validation="sometimes"), "perform_initial_validation"),
     ("checkpoint policy", config_with(checkpoint_policy="often"), "checkpoint_policy"),
     ("section given as a list", config_with(resources=[1, 2]), "resources"),
+    ("unknown optimizer", config_with(large_batch={"optimizer": "lamb2"}), "large_batch.optimizer"),
+    ("option of another optimizer", config_with(large_batch={"optimizer": "adam", "trust_coefficient": 0.01}),
+     "large_batch.trust_coefficient"),
+    ("optimizer option with the Trial's optimizer", config_with(large_batch={"momentum": 0.9}), "large_batch.momentum"),
+    ("no base rate", config_with(hyperparameters__learning_rate=_DELETE, large_batch={"optimizer": "sgd"}),
+     "large_batch.base_lr"),
+    ("base rate not a number", config_with(hyperparameters__learning_rate="fast", large_batch={"optimizer": "sgd"}),
+     "hyperparameters.learning_rate"),
+    ("scaling without a base batch", config_with(large_batch={"lr_scaling": "linear"}), "large_batch.base_batch_size"),
+    ("warm-up without scaling", config_with(large_batch={"warmup_epochs": 2}), "large_batch.warmup_epochs"),
+    ("unknown decay", config_with(large_batch={"decay": "exponential"}), "large_batch.decay.name"),
+    ("step decay without milestones", config_with(large_batch={"decay": "step"}), "large_batch.decay"),
+    ("decay inside warm-up", config_with(large_batch={"lr_scaling": "sqrt", "base_batch_size": 32, "warmup_epochs": 5,
+                                                      "decay": {"name": "step", "milestones": [3]}}),
+     "large_batch.decay.milestones"),
+    ("betas out of range", config_with(large_batch={"optimizer": "lamb", "betas": [0.9, 1.5]}), "large_batch.betas"),
+    ("batch schedule factor 1", config_with(large_batch={"batch_size_schedule": {"epochs": [2], "factor": 1}}),
+     "large_batch.batch_size_schedule"),
+    ("batch schedule epochs unsorted", config_with(large_batch={"batch_size_schedule": {"epochs": [4, 2]}}),
+     "large_batch.batch_size_schedule"),
 ]
 
 
@@ -198,6 +218,18 @@ def test_unbuilt_features_are_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="distributed.strategy"):
         check_buildable(config)
     check_buildable(load_config(None, raw=BASE).config)
+
+
+def test_large_batch_recipes_are_buildable() -> None:
+    raw = config_with(large_batch={"optimizer": "lamb", "lr_scaling": "sqrt", "base_batch_size": 32,
+                                   "warmup_epochs": 1.5, "decay": {"name": "cosine", "final_fraction": 0.01},
+                                   "max_grad_norm": 1.0, "batch_size_schedule": {"epochs": [3, 6], "factor": [2, 4],
+                                                                                 "max_per_slot_batch": 64}})
+    config = load_config(None, raw=raw).config
+    check_buildable(config)
+    assert config.large_batch.decay.name == "cosine" and config.large_batch.batch_size_schedule is not None
+    assert config.large_batch.batch_size_schedule.factors == [2, 4]
+    assert load_config(None, raw=config_with(large_batch={"decay": "cosine"})).config.large_batch.schedules_lr
 
 
 def test_experiment_config_is_strict_about_types() -> None:
