@@ -30,7 +30,8 @@ def compute_spec_from_flops(training_flops_per_sample: float, measurement: Any) 
     rate = measurement.achieved_flops_per_s
     if not rate:
         raise ValueError("the calibration has no FLOP rate; calibrate with a model whose FLOPs can be counted")
-    return ComputeSpec(seconds_per_sample=training_flops_per_sample / rate, backward_fraction=measurement.backward_fraction,
+    return ComputeSpec(seconds_per_sample=training_flops_per_sample / rate,
+                       backward_fraction=measurement.backward_fraction,
                        source=f"calibrated FLOP rate of {measurement.name} ({rate / 1e9:.1f} GFLOP/s)")
 
 

@@ -71,7 +71,8 @@ def reference_workload(batch_size: int = 64) -> Workload:
         return nn.Sequential(*layers, nn.Linear(sizes[-1], 10))
 
     generator = torch.Generator().manual_seed(0)
-    batch = (torch.randn(batch_size, 512, generator=generator), torch.randint(0, 10, (batch_size,), generator=generator))
+    batch = (torch.randn(batch_size, 512, generator=generator),
+             torch.randint(0, 10, (batch_size,), generator=generator))
     return _finish(Workload(
         name="reference-mlp", build_model=build,
         build_optimizer=lambda model: torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
@@ -100,7 +101,7 @@ def trial_workload(config_path: Path, overrides: list[str] | None = None, batch_
                            config_dir=loaded.base_dir, total_batches=1000, batches_per_epoch=1000,
                            aggregation_frequency=config.optimizations.aggregation_frequency)
     trial = trial_class(context)
-    data = trial.build_training_data()
+    data: Any = trial.build_training_data()
     if len(data) < per_device:
         raise TrialError(f"the training data has {len(data)} records, fewer than one device's batch of "
                          f"{per_device}; give a smaller --batch-per-device")

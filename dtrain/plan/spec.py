@@ -157,5 +157,5 @@ class StrategySpec:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
-__all__ = ["ALGORITHMS", "FLAT_ALGORITHMS", "BACKWARD_FRACTION_OF_COMPUTE", "TRAINING_FLOPS_PER_FORWARD_MAC", "ComputeSpec",
-           "HostCost", "ModelSpec", "StrategySpec", "TopologySpec"]
+__all__ = ["ALGORITHMS", "BACKWARD_FRACTION_OF_COMPUTE", "FLAT_ALGORITHMS", "TRAINING_FLOPS_PER_FORWARD_MAC",
+           "ComputeSpec", "HostCost", "ModelSpec", "StrategySpec", "TopologySpec"]
