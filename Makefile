@@ -47,6 +47,7 @@ test-distributed: setup
 
 bench: setup
 	$(PY) benchmarks/demo_vs_ddp.py
+	$(PY) benchmarks/plan_validation.py
 
 lint: setup
 	$(VENV)/bin/ruff check dtrain tests benchmarks examples

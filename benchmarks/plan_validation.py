@@ -92,24 +92,30 @@ def load_average() -> float:
 # ------------------------------------------------------------------------------------------ calibration
 
 
-def calibrate() -> Any:
-    from dtrain.plan.calibrate import (
-        Calibration,
-        machine_facts,
-        measure_allreduce,
-        measure_compute,
-        measure_fp16_cast_seconds_per_byte,
-    )
+def calibrate_communication() -> Any:
+    """The round's gloo all-reduce fits (fp32, and fp16 with its casts), as `dtrain plan --calibrate` takes them."""
+    from dtrain.plan.calibrate import Calibration, machine_facts, measure_allreduce
+
+    allreduce = {dtype: measure_allreduce(dtype=dtype, ranks=2) for dtype in ("float32", "float16")}
+    return Calibration(machine=machine_facts(), compute={}, allreduce=allreduce)
+
+
+def calibrate_compute(workers: int) -> Any:
+    """The workload's step timed in `workers` processes at once (one thread each), as `dtrain plan --calibrate`
+    does for a node whose workers are all busy; taken right before each run, because other work on this shared
+    machine changes how much of a core a worker gets."""
+    from dtrain.plan.calibrate import measure_compute_concurrently
+
+    return measure_compute_concurrently(WORKLOAD, batch=BATCH_PER_WORKER, processes=workers, repeats=15)
+
+
+def workload_model() -> Any:
     from dtrain.plan.measure import trial_workload
 
-    workload = trial_workload(WORKLOAD, batch_size=BATCH_PER_WORKER)
-    compute = {workload.name: measure_compute(workload, threads=1, repeats=15)}
-    allreduce = {dtype: measure_allreduce(dtype=dtype, ranks=2) for dtype in ("float32", "float16")}
-    return Calibration(machine=machine_facts(), compute=compute, allreduce=allreduce,
-                       fp16_cast_seconds_per_byte=measure_fp16_cast_seconds_per_byte()), workload.model_spec()
+    return trial_workload(WORKLOAD, batch_size=BATCH_PER_WORKER).model_spec()
 
 
-def predict(config: Config, calibration: Any, model: Any) -> Any:
+def predict(config: Config, calibration: Any, compute_measurement: Any, model: Any) -> Any:
     from dtrain.plan.machine import compute_spec, fp16_compression, this_machine_topology
     from dtrain.plan.spec import StrategySpec
     from dtrain.plan.step import predict_step
@@ -120,8 +126,8 @@ def predict(config: Config, calibration: Any, model: Any) -> Any:
                                      link_gbit_per_s=NOMINAL_GBIT[rate] if rate else None)
     strategy = StrategySpec(aggregation_frequency=config.aggregation)
     if config.fp16:
-        strategy = fp16_compression(calibration.fp16_cast_seconds_per_byte, strategy)
-    compute = compute_spec(next(iter(calibration.compute.values())))
+        strategy = fp16_compression(strategy)
+    compute = compute_spec(compute_measurement)
     return predict_step(model, compute, topology, strategy, config.workers, BATCH_PER_WORKER)
 
 
@@ -333,16 +339,18 @@ def main() -> None:
         if skipped:
             print(f"shaped networks skipped: {skipped}")
         checks: list[dict[str, Any]] = []
+        model = workload_model()
         for repeat in range(repeats):
-            print(f"[{repeat + 1}/{repeats}] calibrating ...", flush=True)
-            calibration, model = calibrate()
+            print(f"[{repeat + 1}/{repeats}] calibrating communication ...", flush=True)
+            calibration = calibrate_communication()
             if repeat == 0:
                 checks = link_checks(prefixes, calibration)
                 for check in checks:
                     print(f"  link check {check}", flush=True)
             order = configs if repeat % 2 == 0 else list(reversed(configs))
             for config in order:
-                prediction = predict(config, calibration, model)
+                compute = calibrate_compute(config.workers)
+                prediction = predict(config, calibration, compute, model)
                 steps = steps_for(prediction.step_s, seconds, config.aggregation)
                 load_before = load_average()
                 run = run_dtrain if config.harness == "dtrain" else run_ddp
@@ -354,7 +362,10 @@ def main() -> None:
                        "predicted_exposed_s": prediction.exposed_communication_s,
                        "predicted_bottleneck": prediction.bottleneck,
                        "error": (prediction.step_s - measured) / measured, "load_average": load_before,
-                       "calibrated_seconds_per_sample": next(iter(calibration.compute.values())).seconds_per_sample}
+                       "calibrated_seconds_per_sample": compute.seconds_per_sample,
+                       "calibrated_optimizer_s": compute.optimizer_s,
+                       "calibrated_alpha_s": calibration.allreduce["float32"].alpha_s,
+                       "calibrated_beta_s_per_byte": calibration.allreduce["float32"].beta_s_per_byte}
                 rows.append(row)
                 print(f"[{repeat + 1}/{repeats}] {config.label}: measured {measured * 1e3:.1f} ms, predicted "
                       f"{prediction.step_s * 1e3:.1f} ms ({row['error']:+.1%}), load {load_before:.1f}", flush=True)

@@ -2,9 +2,10 @@
 
 - compute: seconds of forward, backward and optimizer step per sample of a model (the experiment's Trial,
   or a reference MLP), on `threads` threads: one worker of this machine is one "device";
-- gloo all-reduce on loopback between `ranks` processes for message sizes from 4 KiB to 32 MiB, fitted to
-  the ring's form T = 2(n-1)*alpha + 2(n-1)/n * S * beta (least squares), for fp32 and fp16 payloads;
-- the fp32 <-> fp16 casts that fp16 compression adds, per byte of gradient.
+- gloo all-reduce on loopback between `ranks` processes for payloads from 4 KiB to 16 MiB, done as DDP does it
+  to a gradient bucket (divide by the world size and all-reduce; for fp16, fp16_compress_hook's cast, divide,
+  all-reduce and cast back), fitted to the ring's form T = 2(n-1)*alpha + 2(n-1)/n * S * beta (least squares
+  on relative error) with S the bytes sent, for fp32 and fp16 payloads.
 
 On a machine whose workers are its cores, the loopback all-reduce is CPU work (copies, socket calls, sums):
 those alpha and beta become the host cost of communication (`HostCost`) and the speed of the unshaped
@@ -31,7 +32,7 @@ from dtrain.errors import DtrainError
 
 CALIBRATION_ENV = "DTRAIN_CALIBRATION"
 DEFAULT_ALLREDUCE_SIZES_BYTES = tuple(4096 * 4 ** k for k in range(7))  # 4 KiB ... 16 MiB
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
 
 
 class CalibrationError(DtrainError):
@@ -99,23 +100,34 @@ def _allreduce_worker(rank: int, world: int, port: int, sizes: Sequence[int], dt
     init_distributed(backend="gloo", timeout_seconds=300, environ=environ)
     import torch.distributed as dist
 
-    dtype = getattr(torch, dtype_name)
-    element = torch.tensor([], dtype=dtype).element_size()
+    element = 2 if dtype_name == "float16" else 4
+
+    def averaged_allreduce(gradient: torch.Tensor) -> None:
+        """What DDP does with a bucket: divide by the world size and all-reduce (the default hook), or cast to fp16,
+        divide, all-reduce and cast back (fp16_compress_hook)."""
+        if dtype_name == "float16":
+            half = gradient.to(torch.float16).div_(world)
+            dist.all_reduce(half)
+            gradient.copy_(half)
+        else:
+            gradient.div_(world)
+            dist.all_reduce(gradient)
+
     results = []
     for size in sizes:
-        tensor = torch.ones(max(size // element, 1), dtype=dtype)
+        gradient = torch.randn(max(size // element, 1)) * 1e-3  # gradient-like fp32 values
         repeats = max(2, min(50, int(2e7 // max(size, 1))))
-        dist.all_reduce(tensor)  # warm-up: connections and buffers
+        averaged_allreduce(gradient)  # warm-up: connections and buffers
         samples = []
         for _ in range(rounds):
             dist.barrier()
             started = time.perf_counter()
             for _ in range(repeats):
-                dist.all_reduce(tensor)
+                averaged_allreduce(gradient)
             samples.append((time.perf_counter() - started) / repeats)
         slowest = torch.tensor([statistics.median(samples)], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank decides
-        results.append((int(tensor.numel() * element), float(slowest)))
+        results.append((int(gradient.numel() * element), float(slowest)))
     if rank == 0:
         Path(out_path).write_text(json.dumps(results))
     shutdown_distributed()
@@ -164,6 +176,11 @@ class ComputeMeasurement:
     optimizer_s: float
     parameters: int
     training_flops_per_sample: float | None = None
+    concurrent: int = 1  # processes that ran the same step at the same time (1: alone)
+
+    @property
+    def key(self) -> str:
+        return compute_key(self.name, self.concurrent)
 
     @property
     def seconds_per_sample(self) -> float:
@@ -178,6 +195,11 @@ class ComputeMeasurement:
         if not self.training_flops_per_sample:
             return None
         return self.training_flops_per_sample / self.seconds_per_sample
+
+
+def compute_key(name: str, concurrent: int) -> str:
+    """Where a measurement lives in `Calibration.compute`: the model's name, with ` x N` when N ran at once."""
+    return name if concurrent == 1 else f"{name} x{concurrent}"
 
 
 def time_training_step(model: Any, batch: Any, loss_of: Callable[[Any, Any], Any], optimizer: Any, *,
@@ -219,18 +241,59 @@ def measure_compute(workload: Any, *, threads: int = 1, repeats: int = 10) -> Co
                               training_flops_per_sample=workload.training_flops_per_sample)
 
 
-def measure_fp16_cast_seconds_per_byte(megabytes: int = 16, repeats: int = 5) -> float:
-    """CPU time of fp16 compression's two casts (fp32 -> fp16 before, fp16 -> fp32 after), per fp32 byte."""
-    import torch
+def _workload(config: str | None, overrides: Sequence[str], batch: int | None) -> Any:
+    from dtrain.plan.measure import reference_workload, trial_workload
 
-    source = torch.randn(megabytes * 1024 * 1024 // 4)
-    samples = []
-    for _ in range(repeats + 1):
-        started = time.perf_counter()
-        half = source.to(torch.float16)
-        source.copy_(half)
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples[1:]) / (source.numel() * 4)
+    return trial_workload(Path(config), list(overrides), batch) if config else reference_workload(batch or 64)
+
+
+def _compute_worker(args: argparse.Namespace) -> None:
+    """One of several processes timing the same step at once: build, say ready, wait for the others, time."""
+    workload = _workload(args.config, args.overrides, args.batch)
+    Path(args.out + ".ready").touch()
+    deadline = time.monotonic() + 600
+    while not Path(args.go).exists():
+        if time.monotonic() > deadline:
+            raise SystemExit("calibration: the other compute processes never became ready")
+        time.sleep(0.01)
+    measurement = measure_compute(workload, threads=args.threads, repeats=args.repeats)
+    Path(args.out).write_text(json.dumps(asdict(measurement)))
+
+
+def measure_compute_concurrently(config: Path | None, overrides: Sequence[str] = (), *, batch: int | None = None,
+                                 processes: int = 2, threads: int = 1, repeats: int = 10) -> ComputeMeasurement:
+    """Time the step in `processes` fresh processes at once, as a node's workers run when all are busy (they
+    share caches, memory bandwidth and whatever else runs on the machine); the median of their medians."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory(prefix="dtrain-calibrate-") as tmp:
+        go = Path(tmp) / "go"
+        outs = [Path(tmp) / f"compute-{i}.json" for i in range(processes)]
+        command = [sys.executable, "-m", "dtrain.plan.calibrate", "compute", "--threads", str(threads),
+                   "--repeats", str(repeats), "--go", str(go)]
+        if config is not None:
+            command += ["--config", str(config), *[f"--set={item}" for item in overrides]]
+        if batch is not None:
+            command += ["--batch", str(batch)]
+        procs = [subprocess.Popen([*command, "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True) for out in outs]
+        deadline = time.monotonic() + 600
+        while not all(Path(str(out) + ".ready").exists() for out in outs):
+            if any(proc.poll() not in (None, 0) for proc in procs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        go.touch()
+        errors = [proc.communicate()[1] for proc in procs]
+        if any(proc.returncode for proc in procs) or not all(out.is_file() for out in outs):
+            detail = next((e.strip().splitlines()[-1] for e in errors if e.strip()), "no output")
+            raise CalibrationError(f"the compute calibration processes failed: {detail}")
+        found = [ComputeMeasurement(**json.loads(out.read_text())) for out in outs]
+    return ComputeMeasurement(
+        name=found[0].name, batch=found[0].batch, threads=threads,
+        forward_s=statistics.median(m.forward_s for m in found),
+        backward_s=statistics.median(m.backward_s for m in found),
+        optimizer_s=statistics.median(m.optimizer_s for m in found), parameters=found[0].parameters,
+        training_flops_per_sample=found[0].training_flops_per_sample, concurrent=processes)
 
 
 # ------------------------------------------------------------------------------------------- the record
@@ -243,31 +306,32 @@ class Calibration:
     machine: dict[str, Any]
     compute: dict[str, ComputeMeasurement]
     allreduce: dict[str, AllReduceFit]
-    fp16_cast_seconds_per_byte: float
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M:%S %Z"))
     version: int = CALIBRATION_VERSION
 
+    def compute_for(self, name: str, workers: int) -> ComputeMeasurement | None:
+        """The measurement of `name` taken with `workers` processes at once, else the one taken alone."""
+        return self.compute.get(compute_key(name, workers)) or self.compute.get(name)
+
     def to_json(self) -> dict[str, Any]:
         return {"version": self.version, "created": self.created, "machine": self.machine,
-                "compute": {name: {**asdict(m), "seconds_per_sample": m.seconds_per_sample,
+                "compute": {name: {**asdict(m), "key": m.key, "seconds_per_sample": m.seconds_per_sample,
                                    "backward_fraction": m.backward_fraction,
                                    "achieved_flops_per_s": m.achieved_flops_per_s}
                             for name, m in self.compute.items()},
                 "allreduce": {name: {**asdict(fit), "bandwidth_bytes_per_s": fit.bandwidth_bytes_per_s}
-                              for name, fit in self.allreduce.items()},
-                "fp16_cast_seconds_per_byte": self.fp16_cast_seconds_per_byte}
+                              for name, fit in self.allreduce.items()}}
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Calibration:
-        derived = ("seconds_per_sample", "backward_fraction", "achieved_flops_per_s", "bandwidth_bytes_per_s")
+        derived = ("seconds_per_sample", "backward_fraction", "achieved_flops_per_s", "bandwidth_bytes_per_s", "key")
         compute = {name: ComputeMeasurement(**{k: v for k, v in m.items() if k not in derived})
                    for name, m in raw["compute"].items()}
         allreduce = {name: AllReduceFit(**{**{k: v for k, v in f.items() if k not in derived},
                                            "points": [tuple(p) for p in f.get("points", [])]})
                      for name, f in raw["allreduce"].items()}
-        return cls(machine=raw["machine"], compute=compute, allreduce=allreduce,
-                   fp16_cast_seconds_per_byte=float(raw["fp16_cast_seconds_per_byte"]),
-                   created=raw.get("created", ""), version=int(raw.get("version", 0)))
+        return cls(machine=raw["machine"], compute=compute, allreduce=allreduce, created=raw.get("created", ""),
+                   version=int(raw.get("version", 0)))
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -302,9 +366,10 @@ def machine_facts() -> dict[str, Any]:
 
 def _main(argv: list[str] | None = None) -> int:
     """`python -m dtrain.plan.calibrate allreduce ...` prints one all-reduce calibration as JSON (benchmarks run
-    it inside shaped network namespaces); `worker` is one rank of it."""
+    it inside shaped network namespaces); `worker` is one rank of it, `compute` one of several concurrent
+    compute timings."""
     parser = argparse.ArgumentParser(prog="python -m dtrain.plan.calibrate", description=_main.__doc__)
-    parser.add_argument("what", choices=["allreduce", "worker"])
+    parser.add_argument("what", choices=["allreduce", "worker", "compute"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
@@ -313,7 +378,16 @@ def _main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--go", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=10, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.what == "compute":
+        _compute_worker(args)
+        return 0
     if args.what == "worker":
         _allreduce_worker(args.rank, args.ranks, args.port, args.sizes, args.dtype, args.rounds, args.out)
         return 0

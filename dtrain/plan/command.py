@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.errors import DtrainError
+from dtrain.plan.measure import REFERENCE_WORKLOAD
 from dtrain.plan.spec import ComputeSpec, ModelSpec, StrategySpec, TopologySpec
 from dtrain.plan.units import gbit_per_s_to_bytes_per_s, mib_to_bytes, microseconds_to_seconds
 
@@ -87,7 +88,7 @@ def add_plan_parser(commands: Any) -> argparse.ArgumentParser:
     strat.add_argument("--compression-ratio", type=float, default=1.0,
                        help="bytes sent / fp32 gradient bytes (fp16 0.5, top-1%% about 0.02; default 1)")
     strat.add_argument("--compression", choices=["none", "fp16"], default="none",
-                       help="fp16: ratio 0.5 (with --this-machine also the calibrated cast and fp16 sum costs)")
+                       help="fp16: ratio 0.5 (with --this-machine, the host cost of fp16_compress_hook as calibrated)")
     strat.add_argument("--no-overlap", action="store_true", help="communicate only after backward ends")
     strat.add_argument("--aggregation-frequency", type=int, help="batches per synchronization (default 1, or "
                                                                  "--config's)")
@@ -95,8 +96,9 @@ def add_plan_parser(commands: Any) -> argparse.ArgumentParser:
 
     machine = plan.add_argument_group("this machine")
     machine.add_argument("--calibrate", action="store_true",
-                         help="measure this machine (compute per sample of --config's Trial or a reference MLP, "
-                              "gloo all-reduce alpha and beta, fp16 casts) and save it to --calibration")
+                         help="measure this machine (compute per sample of a reference MLP and of --config's Trial, "
+                              "alone and with --devices processes at once (default: one per core), gloo all-reduce "
+                              "alpha and beta, fp16 casts) and save it to --calibration")
     machine.add_argument("--calibration", type=Path,
                          help="calibration file (default $DTRAIN_CALIBRATION or ~/.cache/dtrain/calibration.json)")
     machine.add_argument("--this-machine", action="store_true",
@@ -188,7 +190,8 @@ def _model_from_args(args: argparse.Namespace) -> tuple[ModelSpec, dict[str, Any
                     "--config EXPERIMENT.yaml, or --parameters N")
 
 
-def _compute_from_args(args: argparse.Namespace, model: ModelSpec, calibration: Any) -> ComputeSpec:
+def _compute_from_args(args: argparse.Namespace, model: ModelSpec, calibration: Any, workers_per_node: int
+                       ) -> ComputeSpec:
     common = {"backward_fraction": args.backward_fraction, "step_overhead_s": args.step_overhead_ms / 1e3}
     if args.samples_per_second is not None:
         _positive("--samples-per-second", args.samples_per_second)
@@ -204,12 +207,15 @@ def _compute_from_args(args: argparse.Namespace, model: ModelSpec, calibration: 
     if calibration is not None:
         from dtrain.plan.machine import compute_spec, compute_spec_from_flops
 
-        if model.name in calibration.compute:
-            return compute_spec(calibration.compute[model.name])
+        measured = calibration.compute_for(model.name, workers_per_node)
+        if measured is not None:
+            return compute_spec(measured)
         if model.training_flops_per_sample is None:
             raise PlanError(f"the calibration has no measurement of {model.name} and its FLOPs are unknown; "
                             f"run `dtrain plan --calibrate --config ...` for it or give --samples-per-second")
-        reference = next(iter(calibration.compute.values()))
+        reference = calibration.compute_for(REFERENCE_WORKLOAD, workers_per_node)
+        if reference is None:
+            raise PlanError("the calibration has no reference measurement; run `dtrain plan --calibrate` again")
         return compute_spec_from_flops(model.training_flops_per_sample, reference)
     raise PlanError("give one device's speed: --samples-per-second N, or --device-tflops T (with FLOPs per sample), "
                     "or --this-machine after `dtrain plan --calibrate`")
@@ -237,17 +243,13 @@ def _topology_from_args(args: argparse.Namespace, calibration: Any) -> TopologyS
 
 
 def _strategy_from_args(args: argparse.Namespace, facts: dict[str, Any], calibration: Any) -> StrategySpec:
-    ratio = args.compression_ratio
-    cast = 0.0
-    if args.compression == "fp16":
-        ratio = 0.5
-        cast = calibration.fp16_cast_seconds_per_byte if calibration is not None else 0.0
+    ratio = 0.5 if args.compression == "fp16" else args.compression_ratio
     try:
         return StrategySpec(
             algorithm=STRATEGIES[args.strategy], inter_node_algorithm=args.inter_node_algorithm.replace("-", "_"),
             servers=args.servers,
             server_bandwidth_bytes_per_s=gbit_per_s_to_bytes_per_s(args.server_gbit) if args.server_gbit else None,
-            compression_ratio=ratio, compression_host_seconds_per_byte=cast, overlap=not args.no_overlap,
+            compression_ratio=ratio, overlap=not args.no_overlap,
             aggregation_frequency=args.aggregation_frequency or facts.get("aggregation_frequency", 1),
             bucket_bytes=mib_to_bytes(args.bucket_mb),
             first_bucket_bytes=min(mib_to_bytes(1), mib_to_bytes(args.bucket_mb)))
@@ -263,8 +265,9 @@ def run_plan(args: argparse.Namespace) -> int:
         return _calibrate(args)
     calibration = _load_calibration(args) if args.this_machine else None
     model, facts = _model_from_args(args)
-    compute = _compute_from_args(args, model, calibration)
     topology = _topology_from_args(args, calibration)
+    workers = min(args.devices or facts.get("devices", 8), topology.devices_per_node)
+    compute = _compute_from_args(args, model, calibration, workers)
     strategy = _strategy_from_args(args, facts, calibration)
     if args.batch_per_device is not None and args.global_batch is not None:
         raise PlanError("--batch-per-device and --global-batch both set the batch; give one")
@@ -310,40 +313,37 @@ def _calibrate(args: argparse.Namespace) -> int:
         default_calibration_path,
         machine_facts,
         measure_allreduce,
-        measure_compute,
-        measure_fp16_cast_seconds_per_byte,
+        measure_compute_concurrently,
     )
-    from dtrain.plan.measure import reference_workload, trial_workload
 
     path = args.calibration or default_calibration_path()
     say = lambda text: print(f"dtrain plan: {text}", file=sys.stderr)  # noqa: E731
-    workloads = [reference_workload()]
-    if args.config is not None:
-        workloads.append(trial_workload(args.config, args.overrides, args.batch_per_device))
+    busy = args.devices or int(machine_facts()["cores"] or 1)
     compute = {}
-    for workload in workloads:
-        say(f"timing {workload.name} ({workload.parameters / 1e6:.1f} M parameters, batch {workload.batch_size}) on "
-            f"{args.threads} thread(s) ...")
-        compute[workload.name] = measure_compute(workload, threads=args.threads)
-    ranks = max(args.devices or 2, 2)
+    for config in [None, args.config] if args.config is not None else [None]:
+        for processes in sorted({1, busy}):
+            what = "the reference MLP" if config is None else str(config)
+            say(f"timing a training step of {what} on {args.threads} thread(s), {processes} process(es) at once ...")
+            measured = measure_compute_concurrently(config, args.overrides, batch=args.batch_per_device,
+                                                    processes=processes, threads=args.threads)
+            compute[measured.key] = measured
+    ranks = max(busy, 2)
     allreduce = {}
     for dtype in ("float32", "float16"):
         say(f"timing gloo all-reduce of {dtype} between {ranks} processes on 127.0.0.1 ...")
         allreduce[dtype] = measure_allreduce(dtype=dtype, ranks=ranks)
-    calibration = Calibration(machine=machine_facts(), compute=compute, allreduce=allreduce,
-                              fp16_cast_seconds_per_byte=measure_fp16_cast_seconds_per_byte())
+    calibration = Calibration(machine=machine_facts(), compute=compute, allreduce=allreduce)
     calibration.save(path)
     if args.json:
         print(json.dumps(calibration.to_json(), indent=2))
         return 0
     for name, m in compute.items():
         rate = f", {m.achieved_flops_per_s / 1e9:.1f} GFLOP/s" if m.achieved_flops_per_s else ""
-        print(f"compute     {name}: {m.seconds_per_sample * 1e3:.3f} ms per sample (backward "
+        print(f"compute     {name} (batch {m.batch}): {m.seconds_per_sample * 1e3:.3f} ms per sample (backward "
               f"{m.backward_fraction:.0%}), optimizer {m.optimizer_s * 1e3:.2f} ms per step{rate}")
     for dtype, fit in allreduce.items():
         bandwidth = "inf" if math.isinf(fit.bandwidth_bytes_per_s) else f"{fit.bandwidth_bytes_per_s / 1e9:.2f}"
         print(f"all-reduce  {dtype}: alpha {fit.alpha_s * 1e6:.1f} us, beta {bandwidth} GB/s ({fit.ranks} ranks)")
-    print(f"fp16 casts  {calibration.fp16_cast_seconds_per_byte * 1e9:.3f} ns per gradient byte")
     print(f"saved       {path}")
     return 0
 

@@ -54,10 +54,10 @@ def this_machine_topology(fit: Any, workers_per_node: int, *, link_gbit_per_s: f
                         source=f"loopback shaped by tbf to {link_gbit_per_s:g} Gbit/s (one shared queue)")
 
 
-def fp16_compression(cast_seconds_per_byte: float, strategy: StrategySpec | None = None) -> StrategySpec:
-    """PyTorch's fp16_compress_hook: half the bytes, plus two casts per gradient byte on the host."""
-    return (strategy or StrategySpec()).with_(compression_ratio=0.5,
-                                              compression_host_seconds_per_byte=cast_seconds_per_byte)
+def fp16_compression(strategy: StrategySpec | None = None) -> StrategySpec:
+    """PyTorch's fp16_compress_hook: half the bytes. Its casts are part of the fp16 all-reduce calibration, so
+    the topology's host cost must come from that fit (`this_machine_topology(calibration.allreduce["float16"])`)."""
+    return (strategy or StrategySpec()).with_(compression_ratio=0.5)
 
 
 __all__ = ["compute_spec", "compute_spec_from_flops", "fp16_compression", "host_cost", "this_machine_topology"]

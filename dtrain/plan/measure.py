@@ -12,6 +12,8 @@ from typing import Any
 from dtrain.errors import TrialError
 from dtrain.plan.spec import ModelSpec
 
+REFERENCE_WORKLOAD = "reference-mlp"
+
 
 @dataclass
 class Workload:
@@ -74,7 +76,7 @@ def reference_workload(batch_size: int = 64) -> Workload:
     batch = (torch.randn(batch_size, 512, generator=generator),
              torch.randint(0, 10, (batch_size,), generator=generator))
     return _finish(Workload(
-        name="reference-mlp", build_model=build,
+        name=REFERENCE_WORKLOAD, build_model=build,
         build_optimizer=lambda model: torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
         batch=batch, batch_size=batch_size, loss_of=lambda b, m: F.cross_entropy(m(b[0]), b[1])))
 
@@ -134,4 +136,5 @@ def module_model_spec(module: Any, batch: Any, loss_of: Callable[[Any, Any], Any
     return ModelSpec(name=name, parameters=params, training_flops_per_sample=flops, source="measured")
 
 
-__all__ = ["Workload", "count_training_flops", "module_model_spec", "reference_workload", "trial_workload"]
+__all__ = ["REFERENCE_WORKLOAD", "Workload", "count_training_flops", "module_model_spec", "reference_workload",
+           "trial_workload"]

@@ -92,16 +92,20 @@ def test_alpha_beta_fit_recovers_a_ring() -> None:
 def _calibration() -> Calibration:
     measurement = ComputeMeasurement(name="synthetic_mlp", batch=128, threads=1, forward_s=0.012, backward_s=0.024,
                                      optimizer_s=0.003, parameters=3_684_362, training_flops_per_sample=2.1e7)
+    busy = ComputeMeasurement(name="reference-mlp", batch=64, threads=1, forward_s=0.01, backward_s=0.02,
+                              optimizer_s=0.002, parameters=3_684_362, training_flops_per_sample=2.1e7, concurrent=2)
     fit = AllReduceFit(ranks=2, dtype="float32", alpha_s=5e-5, beta_s_per_byte=6e-10, points=[(4096, 1e-4)])
-    return Calibration(machine={"cores": 2}, compute={"synthetic_mlp": measurement}, allreduce={"float32": fit},
-                       fp16_cast_seconds_per_byte=3e-11)
+    return Calibration(machine={"cores": 2}, compute={m.key: m for m in (measurement, busy)},
+                       allreduce={"float32": fit})
 
 
 def test_calibration_file_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "nested" / "calibration.json"
     _calibration().save(path)
     loaded = Calibration.load(path)
-    assert loaded.compute["synthetic_mlp"] == _calibration().compute["synthetic_mlp"]
+    assert loaded.compute == _calibration().compute
+    assert loaded.compute_for("reference-mlp", 2) is not None and loaded.compute_for("synthetic_mlp", 2) is not None
+    assert loaded.compute_for("reference-mlp", 2).concurrent == 2  # type: ignore[union-attr]
     assert loaded.allreduce["float32"].alpha_s == 5e-5 and loaded.allreduce["float32"].points == [(4096, 1e-4)]
     with pytest.raises(CalibrationError, match="run `dtrain plan --calibrate` first"):
         Calibration.load(tmp_path / "missing.json")
@@ -246,8 +250,8 @@ def test_plan_with_this_machine(capsys: pytest.CaptureFixture[str], tmp_path: Pa
                            "--flops-per-sample", "2.1e7", "--devices", "2", "--batch-per-device", "128",
                            "--link-gbit", "1", "--json")
     prediction = json.loads(out)["prediction"]
-    # compute from the calibrated FLOP rate: 2.1e7 FLOPs at 2.1e7 * 128 / 0.036 FLOP/s
-    assert code == 0 and prediction["compute_s"] == pytest.approx(0.036)
+    # compute at the FLOP rate the reference reached with 2 processes at once: 2.1e7 * 64 / 0.03 FLOP/s
+    assert code == 0 and prediction["compute_s"] == pytest.approx(0.03 * 128 / 64)
     assert prediction["bottleneck"] == "communication: intra-node bandwidth"
 
 
