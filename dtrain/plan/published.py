@@ -178,7 +178,7 @@ def ddp_cases() -> list[PublishedCase]:
                             intra_latency_s=microseconds_to_seconds(ASSUMED_NVLINK_LATENCY_US),
                             inter_bandwidth_bytes_per_s=gbit_per_s_to_bytes_per_s(100),
                             inter_latency_s=microseconds_to_seconds(ASSUMED_RDMA_LATENCY_US))
-    strategy = StrategySpec(algorithm="ring", overlap=True, bucket_bytes=25 * MIB)
+    strategy = StrategySpec(algorithm="ring", overlap=True, bucket_bytes=25 * MIB, first_bucket_bytes=1 * MIB)
 
     def efficiency(images_per_s: float) -> float:
         compute = ComputeSpec.from_samples_per_second(images_per_s)

@@ -124,8 +124,10 @@ class StrategySpec:
     """How gradients are synchronized.
 
     `compression_ratio`: bytes sent / bytes of fp32 gradient (0.5 for fp16). `compression_host_seconds_per_byte`:
-    CPU time to encode and decode, per byte of uncompressed gradient. `bucket_bytes`, `first_bucket_bytes`:
-    DDP's gradient buckets (25 MiB, and 1 MiB for the first; Horovod fuses up to 64 MB)."""
+    CPU time to encode and decode, per byte of uncompressed gradient. `bucket_bytes`: DDP's gradient buckets
+    (25 MiB; Horovod fuses up to 64 MB). `first_bucket_bytes`: the bucket backward fills first; torch DDP caps
+    it at 1 MiB only when `bucket_cap_mb` is left unset (torch/nn/parallel/distributed.py,
+    _BucketCapacityConfig.create); dtrain sets `bucket_cap_mb`, so by default it is a full bucket."""
 
     algorithm: str = "ring"
     inter_node_algorithm: str = "ring"  # between the nodes of a hierarchical all-reduce
@@ -136,7 +138,11 @@ class StrategySpec:
     overlap: bool = True
     aggregation_frequency: int = 1
     bucket_bytes: float = 25 * MIB
-    first_bucket_bytes: float = 1 * MIB
+    first_bucket_bytes: float | None = None  # None: the same as bucket_bytes
+
+    @property
+    def first_bucket_cap_bytes(self) -> float:
+        return self.first_bucket_bytes if self.first_bucket_bytes is not None else self.bucket_bytes
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -150,7 +156,7 @@ class StrategySpec:
             raise ValueError(f"aggregation_frequency must be >= 1, got {self.aggregation_frequency}")
         if self.servers < 1:
             raise ValueError(f"servers must be >= 1, got {self.servers}")
-        if self.bucket_bytes <= 0 or self.first_bucket_bytes <= 0:
+        if self.bucket_bytes <= 0 or (self.first_bucket_bytes is not None and self.first_bucket_bytes <= 0):
             raise ValueError("bucket sizes must be > 0")
 
     def with_(self, **changes: object) -> StrategySpec:

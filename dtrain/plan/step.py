@@ -109,9 +109,9 @@ def bucket_costs(model: ModelSpec, devices: int, topology: TopologySpec, strateg
     """Bucket sizes (bytes of uncompressed gradient), each bucket's link and host cost, and the summed parts."""
     if model.parameter_bytes_in_backward_order:
         sizes = ddp_bucket_sizes_bytes(model.parameter_bytes_in_backward_order, strategy.bucket_bytes,
-                                       strategy.first_bucket_bytes)
+                                       strategy.first_bucket_cap_bytes)
     else:
-        sizes = bucket_sizes_bytes(model.gradient_bytes, strategy.bucket_bytes, strategy.first_bucket_bytes)
+        sizes = bucket_sizes_bytes(model.gradient_bytes, strategy.bucket_bytes, strategy.first_bucket_cap_bytes)
     costs: list[BucketCost] = []
     parts: dict[str, float] = {}
     for size in sizes:
