@@ -1,9 +1,11 @@
 """Does `dtrain plan` predict what this machine measures, and what the papers published?
 
-Part 1, this machine. Every round first calibrates (as `dtrain plan --calibrate` does: the workload's compute
-per sample on one thread, gloo all-reduce alpha/beta for fp32 and fp16 payloads on loopback, the fp16 casts),
-then runs each configuration once, in alternating order, and compares the measured time per batch with the
-model's prediction from that round's calibration. The workload is examples/synthetic_mlp (3.7 M parameters,
+Part 1, this machine. Every round first calibrates gloo all-reduce alpha/beta for fp32 and fp16 payloads on
+loopback (as `dtrain plan --calibrate` does), then runs each configuration once, in alternating order, each
+run preceded by a timing of the workload's step in as many processes at once as the run has workers. The
+prediction for a run uses the round's all-reduce fit and the median of the round's compute timings with the
+same number of workers (a single one-second timing on this shared machine is too noisy). The workload is
+examples/synthetic_mlp (3.7 M parameters,
 14.7 MB of fp32 gradient per step, 128 samples per worker), each worker on one thread (one core = one device).
 
 Configurations: 1 and 2 workers; plain loopback, and a loopback shaped by benchmarks/netem.py to 10 and 1
@@ -107,6 +109,14 @@ def calibrate_compute(workers: int) -> Any:
     from dtrain.plan.calibrate import measure_compute_concurrently
 
     return measure_compute_concurrently(WORKLOAD, batch=BATCH_PER_WORKER, processes=workers, repeats=15)
+
+
+def median_compute(measurements: list[Any]) -> Any:
+    """One compute measurement whose phases are the medians of several."""
+    from dataclasses import replace
+
+    return replace(measurements[0], **{name: statistics.median(getattr(m, name) for m in measurements)
+                                       for name in ("forward_s", "backward_s", "optimizer_s")})
 
 
 def workload_model() -> Any:
@@ -348,13 +358,21 @@ def main() -> None:
                 for check in checks:
                     print(f"  link check {check}", flush=True)
             order = configs if repeat % 2 == 0 else list(reversed(configs))
+            measured_round = []
             for config in order:
                 compute = calibrate_compute(config.workers)
-                prediction = predict(config, calibration, compute, model)
-                steps = steps_for(prediction.step_s, seconds, config.aggregation)
+                guess = predict(config, calibration, compute, model)
+                steps = steps_for(guess.step_s, seconds, config.aggregation)
                 load_before = load_average()
                 run = run_dtrain if config.harness == "dtrain" else run_ddp
                 measured = run(config, steps, prefixes[config.network], Path(tmp), f"{repeat}-{len(rows)}")
+                measured_round.append((config, compute, measured, steps, load_before))
+            # each run's compute is a one-second snapshot of a shared machine: predict every run of the round from
+            # the median of the round's snapshots with the same number of workers
+            for config, compute, measured, steps, load_before in measured_round:
+                same = [c for cfg, c, *_ in measured_round if cfg.workers == config.workers]
+                typical = median_compute(same)
+                prediction = predict(config, calibration, typical, model)
                 row = {"config": config.label, "repeat": repeat, "workers": config.workers,
                        "network": config.network, "fp16": config.fp16, "aggregation": config.aggregation,
                        "harness": config.harness, "steps": steps, "measured_s": measured,
@@ -362,8 +380,9 @@ def main() -> None:
                        "predicted_exposed_s": prediction.exposed_communication_s,
                        "predicted_bottleneck": prediction.bottleneck,
                        "error": (prediction.step_s - measured) / measured, "load_average": load_before,
-                       "calibrated_seconds_per_sample": compute.seconds_per_sample,
-                       "calibrated_optimizer_s": compute.optimizer_s,
+                       "snapshot_seconds_per_sample": compute.seconds_per_sample,
+                       "calibrated_seconds_per_sample": typical.seconds_per_sample,
+                       "calibrated_optimizer_s": typical.optimizer_s,
                        "calibrated_alpha_s": calibration.allreduce["float32"].alpha_s,
                        "calibrated_beta_s_per_byte": calibration.allreduce["float32"].beta_s_per_byte}
                 rows.append(row)

@@ -143,7 +143,9 @@ def predict_step(model: ModelSpec, compute: ComputeSpec, topology: TopologySpec,
         raise ValueError(f"devices must be >= 1, got {devices}")
     if per_device_batch < 1:
         raise ValueError(f"per_device_batch must be >= 1, got {per_device_batch}")
-    compute_s = compute.batch_seconds(per_device_batch)
+    # the per-step overhead (optimizer update) runs once per synchronization, i.e. every k batches
+    compute_s = (per_device_batch * compute.seconds_per_sample
+                 + compute.step_overhead_s / strategy.aggregation_frequency)
     backward_s = compute.backward_seconds(per_device_batch)
     sizes, costs, parts = bucket_costs(model, devices, topology, strategy)
     ready = uniform_ready_times_s(sizes, backward_s)
