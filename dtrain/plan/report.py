@@ -47,7 +47,7 @@ def format_prediction(prediction: Prediction, advice: Sequence[Advice] = ()) -> 
     ]
     if advice:
         lines.append("recommendations")
-        lines += [f"  {a.topic:<18} {a.answer} ({a.detail})" for a in advice]
+        lines += [f"  {a.topic:<18} {a.answer}: {a.detail}" for a in advice]
     return "\n".join(lines)
 
 
