@@ -100,8 +100,9 @@ def add_plan_parser(commands: Any) -> argparse.ArgumentParser:
     machine = plan.add_argument_group("this machine")
     machine.add_argument("--calibrate", action="store_true",
                          help="measure this machine (compute per sample of a reference MLP and of --config's Trial, "
-                              "alone and with --devices processes at once (default: one per core), gloo all-reduce "
-                              "alpha and beta, fp16 casts) and save it to --calibration")
+                              "alone and with --devices processes at once (default: one per core); gloo all-reduce "
+                              "alpha and beta for fp32 and for fp16 with fp16_compress_hook's casts) and save it to "
+                              "--calibration")
     machine.add_argument("--calibration", type=Path,
                          help="calibration file (default $DTRAIN_CALIBRATION or ~/.cache/dtrain/calibration.json)")
     machine.add_argument("--this-machine", action="store_true",
