@@ -49,6 +49,7 @@ bench: setup
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/demo_vs_ddp.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/sync_vs_ddp.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/large_batch.py
+	flock /tmp/dtrain-bench.lock $(PY) benchmarks/plan_validation.py
 
 lint: setup
 	$(VENV)/bin/ruff check dtrain tests benchmarks examples

@@ -1,4 +1,4 @@
-"""The `dtrain` command: run an experiment, and list or show the runs in the store.
+"""The `dtrain` command: run an experiment, list or show the runs in the store, plan a cluster.
 
 Errors the user can fix are printed as one line (`dtrain: error: ...`) with exit code 2, never a traceback.
 """
@@ -66,7 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("id", type=int, help="experiment id (first column of `dtrain experiments list`)")
     show.add_argument("--json", action="store_true", help="print JSON instead of text")
     show.set_defaults(handler=_cmd_experiments_show)
-    _SUBPARSERS.update(run=run, experiments=experiments)
+
+    from dtrain.plan.command import add_plan_parser
+
+    plan = add_plan_parser(commands)
+    _SUBPARSERS.update(run=run, experiments=experiments, plan=plan)
     return parser
 
 
