@@ -266,6 +266,10 @@ class Profiling(_Section):
 class Debug(_Section):
     stop_after_batch: int | None = Field(default=None, ge=1,
                                          description="checkpoint and stop after this batch, as a preemption would")
+    slow_rank: int | None = Field(default=None, ge=0,
+                                  description="make this rank a straggler (see slow_factor)")
+    slow_factor: float = Field(default=1.0, ge=1.0,
+                               description="the straggler's forward + backward take this many times as long")
 
 
 class ExperimentConfig(_Section):
@@ -322,6 +326,15 @@ class ExperimentConfig(_Section):
         if gbs < world:
             raise ValueError(f"hyperparameters.global_batch_size ({gbs}) must be >= resources.slots_per_trial "
                              f"({world}); raise it to {world} or use fewer slots")
+        return self
+
+    @model_validator(mode="after")
+    def _debug_ranks(self) -> ExperimentConfig:
+        world = self.resources.world_size
+        rank = self.debug.slow_rank
+        if rank is not None and rank >= world:
+            raise ValueError(f"debug.slow_rank ({rank}) must name a worker rank below resources.slots_per_trial "
+                             f"({world}); use 0..{world - 1}")
         return self
 
     @model_validator(mode="after")

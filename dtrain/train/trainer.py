@@ -32,6 +32,7 @@ from dtrain.optim.build import build_optimizer as build_config_optimizer
 from dtrain.optim.lr_schedule import ScheduledLR
 from dtrain.sync import SyncStrategy, build_strategy
 from dtrain.train import checkpoint as ckpt
+from dtrain.train.faults import FaultInjector
 from dtrain.train.metrics import MetricsWriter
 from dtrain.train.progress import Progress
 from dtrain.train.rng import capture_rng_state, restore_rng_state, seed_everything
@@ -191,6 +192,7 @@ class Trainer:
             raise ValueError(f"batch_split has {len(self.split.per_rank)} ranks, the run {topology.world_size}")
         self.base_split = self.split  # the configured split; a batch-size schedule multiplies it
         self.seed = config.reproducibility.experiment_seed
+        self.faults = FaultInjector(config.debug, topology.rank)
         seed_everything(self.seed)  # identical initial weights on every rank
         self.context = TrialContext(
             hparams=config.hyperparameters, rank=topology.rank, world_size=topology.world_size,
@@ -369,10 +371,13 @@ class Trainer:
             boundary = s.plan.is_boundary(step) or step == s.total_batches
             batch = move_to_device(next(batches), self.topology.device, self.channels_last)
             self.wrapped.train()
+            self.faults.before_compute()
+            compute_start = time.perf_counter()
             with nullcontext() if boundary else self.strategy.no_sync():
                 outputs = self.trial.train_batch(batch, self.wrapped)
                 loss = self._loss(outputs)
                 (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+            self.faults.after_compute(time.perf_counter() - compute_start)
             if boundary:
                 lr = self._set_learning_rate(window_start)
                 self.strategy.step(self.optimizer)
