@@ -151,6 +151,12 @@ def _print_summary(run_dir: Path, experiment_id: int | None, summary: dict[str, 
     ]
     if summary.get("world_size", 1) > 1 and summary.get("strategy"):
         lines.insert(2, f"  sync         {_describe_sync(summary['strategy'])}")
+        wire = summary.get("communication") or {}
+        if wire.get("communicating_steps"):
+            ratio = wire.get("compression_ratio") or 1.0
+            lines.insert(3, f"  wire         {wire['compression']}: {wire['bytes_per_step'] / 1e6:,.3f} MB sent per "
+                            f"update by each worker ({ratio:.3g}x less than dense fp32), "
+                            f"{wire['total_bytes'] / 1e9:,.3f} GB in all")
     if experiment_id is not None:
         lines.append(f"  store        dtrain experiments show {experiment_id}")
     if status == "stopped":

@@ -105,8 +105,55 @@ class Optimizations(_Section):
     memory_format: Literal["contiguous", "channels_last"] = "contiguous"
 
 
+# Options of `distributed.compression` and the compressors they apply to (None = that compressor's default).
+COMPRESSION_OPTIONS: dict[str, tuple[str, ...]] = {
+    "ratio": ("topk",),
+    "error_feedback": ("topk", "powersgd", "sign", "qsgd", "bounded_loss"),
+    "warmup_steps": ("topk",),
+    "warmup_start_ratio": ("topk",),
+    "levels": ("qsgd",),
+    "norm": ("qsgd",),
+    "chunk_size": ("qsgd", "bounded_loss"),
+    "rank": ("powersgd",),
+    "start_iter": ("powersgd",),
+    "warm_start": ("powersgd",),
+    "min_compression_rate": ("powersgd",),
+    "epsilon": ("bounded_loss",),
+    "layer_priority": ("bounded_loss",),
+    "seed": ("qsgd", "topk", "powersgd"),
+}
+
+
 class Compression(_Section):
+    """Gradient compression for the allreduce strategy; see the README's compression table."""
+
     name: Literal["none", "fp16", "bf16", "qsgd", "topk", "powersgd", "sign", "bounded_loss"] = "none"
+    ratio: float | None = Field(default=None, gt=0, le=1, description="topk: density, the fraction of entries sent")
+    error_feedback: bool | None = None
+    warmup_steps: int | None = Field(default=None, ge=0, description="topk: steps of DGC's sparsity warm-up")
+    warmup_start_ratio: float | None = Field(default=None, gt=0, le=1, description="topk: density at step 0")
+    levels: int | None = Field(default=None, ge=1, le=127, description="qsgd: s, quantization levels")
+    norm: Literal["l2", "max"] | None = None
+    chunk_size: int | None = Field(default=None, ge=1, description="qsgd: elements per norm; bounded_loss: per chunk")
+    rank: int | None = Field(default=None, ge=1, description="powersgd: rank of the approximation")
+    start_iter: int | None = Field(default=None, ge=2, description="powersgd: uncompressed steps first")
+    warm_start: bool | None = None
+    min_compression_rate: float | None = Field(default=None, ge=1)
+    epsilon: float | None = Field(default=None, ge=0, lt=1, description="bounded_loss: fraction of chunks dropped")
+    layer_priority: float | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _options_apply(self) -> Compression:
+        for key, compressors in COMPRESSION_OPTIONS.items():
+            if getattr(self, key) is not None and self.name not in compressors:
+                raise ValueError(f"distributed.compression.{key} applies to {' or '.join(compressors)}, not to "
+                                 f"`{self.name}`; remove it or change distributed.compression.name")
+        return self
+
+    def options(self) -> dict[str, Any]:
+        """The options set, as keyword arguments of the compressor's class."""
+        return {key: getattr(self, key) for key in COMPRESSION_OPTIONS if getattr(self, key) is not None}
 
 
 class Distributed(_Section):
@@ -336,6 +383,26 @@ class ExperimentConfig(_Section):
             raise ValueError(f"debug.slow_rank ({rank}) must name a worker rank below resources.slots_per_trial "
                              f"({world}); use 0..{world - 1}")
         return self
+
+    @model_validator(mode="after")
+    def _one_compression(self) -> ExperimentConfig:
+        name = self.distributed.compression.name
+        if self.optimizations.gradient_compression and name not in ("none", "fp16"):
+            raise ValueError(f"optimizations.gradient_compression (true, which means fp16) and "
+                             f"distributed.compression.name `{name}` name two compressions; remove "
+                             "optimizations.gradient_compression")
+        if self.distributed.op == "adasum" and self.compression.name != "none":
+            raise ValueError(f"distributed.op `adasum` combines full-precision gradients and cannot use compression "
+                             f"`{self.compression.name}`; use op average or sum, or remove the compression")
+        return self
+
+    @property
+    def compression(self) -> Compression:
+        """The compression to use: `distributed.compression`, or fp16 for Determined's
+        `optimizations.gradient_compression: true`."""
+        if self.optimizations.gradient_compression and self.distributed.compression.name == "none":
+            return Compression(name="fp16")
+        return self.distributed.compression
 
     @model_validator(mode="after")
     def _large_batch_rate(self) -> ExperimentConfig:
@@ -621,8 +688,6 @@ def _example(loc: list[str]) -> str:
 # (dotted key, the value that works today) for settings whose other values belong to later work.
 _NOT_BUILT_YET: list[tuple[str, Any, str]] = [
     ("distributed.strategy", "allreduce", "only the allreduce strategy is built so far"),
-    ("distributed.compression.name", "none", "gradient compression is not built yet"),
-    ("optimizations.gradient_compression", False, "gradient compression is not built yet"),
     ("optimizations.mixed_precision", "O0", "mixed precision is not built yet"),
     ("searcher.name", "single", "hyperparameter search is not built yet; one trial runs per experiment"),
     ("profiling.enabled", False, "the profiler is not built yet"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dtrain.comm import Topology
+from dtrain.compress import build_compressor
 from dtrain.config import ExperimentConfig
 from dtrain.sync.allreduce import AllReduceStrategy
 from dtrain.sync.base import SyncStrategy
@@ -17,5 +18,6 @@ def build_strategy(config: ExperimentConfig, topology: Topology) -> SyncStrategy
         return AllReduceStrategy(topology, op=config.distributed.op,
                                  bucket_cap_mb=config.optimizations.tensor_fusion_threshold,
                                  auto_tune_fusion=config.optimizations.auto_tune_tensor_fusion,
-                                 find_unused_parameters=config.distributed.find_unused_parameters)
+                                 find_unused_parameters=config.distributed.find_unused_parameters,
+                                 compressor=build_compressor(config.compression.name, **config.compression.options()))
     raise ValueError(f"strategy {name!r} is not built")  # check_buildable() refuses it before we get here

@@ -3,7 +3,7 @@ communication with the rest of the backward pass; dtrain decides what a bucket's
 sum or Adasum, through `hooks.combine_bucket`) and how big buckets are (fixed, or tuned while training).
 
 With op `average` and no compressor the reducer's own C++ all-reduce runs (no Python in the backward
-pass); any other op registers dtrain's comm hook. Every replica applies the same combined gradient, so
+pass); any other op or a compressor registers dtrain's comm hook. Every replica applies the same combined gradient, so
 the replicas stay identical.
 """
 
@@ -23,9 +23,10 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.comm import Topology
+from dtrain.compress import Compressor, NoCompression, WireStats
 from dtrain.errors import SyncError
 from dtrain.sync.fusion import BYTES_PER_MB, FusionTuner, candidate_bucket_sizes
-from dtrain.sync.hooks import Compressor, HookState, NoCompression, Op, combine_bucket
+from dtrain.sync.hooks import HookState, Op, combine_bucket
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,9 @@ class AllReduceStrategy:
         self.bucket_cap_mb = bucket_cap_mb
         self.auto_tune_fusion = auto_tune_fusion
         self.find_unused_parameters = find_unused_parameters
-        self.compressor = compressor
+        self.compressor: Compressor = compressor or NoCompression()
+        self._hooked = False
+        self._gradient_bytes = 0
         self._tuner_settings = (tuner_steps_per_visit, tuner_rounds, tuner_warmup_steps)
         self.tuner: FusionTuner | None = None
         self._tuning_restored: dict[str, Any] | None = None
@@ -104,6 +107,7 @@ class AllReduceStrategy:
                 self.tuner = FusionTuner(candidates, steps_per_visit=steps, rounds=rounds, warmup_steps=warmup)
                 self.bucket_cap_mb = self.tuner.current
         names = [name for name, p in model.named_parameters() if p.requires_grad]  # DDP's parameter indices
+        self._gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         self._replica = Replica(self._build_ddp(model, init_sync=True), names)
         return self._replica
 
@@ -126,12 +130,18 @@ class AllReduceStrategy:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._replica is not None:
             self._replica.check_reduction_finished()
+            if not self._hooked:  # the reducer's own all-reduce ran: count its dense bytes
+                self.compressor.wire.record_uncompressed(self._gradient_bytes, self.topology.world_size)
         optimizer.step()
         if self.tuner is not None and not self.tuner.done:
             self._tune_step()
 
+    def take_wire_stats(self) -> WireStats | None:
+        """Bytes this rank sent since the last call (None with one process: nothing is sent)."""
+        return self.compressor.wire.take() if self._replica is not None else None
+
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"bucket_cap_mb": self.bucket_cap_mb}
+        state: dict[str, Any] = {"bucket_cap_mb": self.bucket_cap_mb, "compressor": self.compressor.state_dict()}
         if self.tuner is not None:
             state["fusion_tuning"] = self.tuner.state_dict()
         elif self._tuning_restored is not None:
@@ -140,6 +150,7 @@ class AllReduceStrategy:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume with the bucket size a finished tuning chose (an unfinished one starts again)."""
+        self.compressor.load_state_dict(state.get("compressor", {}))
         tuning = state.get("fusion_tuning")
         if tuning is not None and tuning.get("done"):
             self._tuning_restored = tuning
@@ -147,7 +158,8 @@ class AllReduceStrategy:
 
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {"name": self.name, "op": self.op, "bucket_cap_mb": self.bucket_cap_mb,
-                                "auto_tune_tensor_fusion": self.auto_tune_fusion}
+                                "auto_tune_tensor_fusion": self.auto_tune_fusion,
+                                "compression": self.compressor.describe()}
         tuning = self.state_dict().get("fusion_tuning")
         if tuning is not None:
             info["fusion_tuning"] = {**tuning, "restored": self.tuner is None}
@@ -164,9 +176,12 @@ class AllReduceStrategy:
         ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb,  # type: ignore[arg-type]
                                       find_unused_parameters=self.find_unused_parameters,
                                       gradient_as_bucket_view=True, batched_grad_copy=True, init_sync=init_sync)
-        compressor = self.compressor or NoCompression()
-        if self.op != "average" or not isinstance(compressor, NoCompression):
-            ddp.register_comm_hook(HookState(self.op, compressor=compressor), combine_bucket)
+        self._hooked = self.op != "average" or not isinstance(self.compressor, NoCompression)
+        if self._hooked:
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            positions = {id(p): index / max(len(trainable) - 1, 1) for index, p in enumerate(trainable)}
+            ddp.register_comm_hook(HookState(self.op, compressor=self.compressor, parameter_positions=positions),
+                                   combine_bucket)
         return ddp
 
     def _tune_step(self) -> None:

@@ -18,6 +18,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from dtrain.compress import WireStats
+
 
 @runtime_checkable
 class SyncStrategy(Protocol):
@@ -51,6 +53,11 @@ class SyncStrategy(Protocol):
         ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        ...
+
+    def take_wire_stats(self) -> WireStats | None:
+        """Bytes this rank sent for gradients since the last call, beside what dense fp32 all-reduces would
+        have sent (the Trainer logs them per update); None when nothing is sent or counted."""
         ...
 
     def describe(self) -> dict[str, Any]:

@@ -1,52 +1,37 @@
 """DDP communication hooks: how one ready gradient bucket is combined across ranks (sum, average or Adasum),
-with a slot for a compressor between the bucket and the wire.
+with a compressor between the bucket and the wire.
 
 DDP's C++ reducer keeps doing what it is good at (bucketing in reverse layer order, launching a bucket's
 communication while the rest of the backward pass runs); the hook only decides what happens to a bucket.
-A compressor is anything with `compress(tensor) -> (payload, ctx)` and `decompress(payload, ctx) -> tensor`
-whose payloads can be summed by an all-reduce (fp16, bf16, PowerSGD factors); compressors that need
-another collective (top-k's all-gather) will bring their own reduction.
+A compressor (`dtrain.compress`) turns the bucket into rounds of communication: the hook runs each round's
+collective - an all-reduce when payloads can be summed (fp16, bf16, PowerSGD's factors, bounded loss), an
+all-gather when they cannot (top-k's values and indices, sign bits and scales, QSGD's levels and norms) -
+and hands what came back to the compressor, until it returns the combined gradient. Every round's bytes
+are counted on the compressor (`compressor.wire`).
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at registration as real objects.
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from dtrain.comm.adasum import adasum_all_reduce_
+from dtrain.compress import BucketInfo, Compressor, NoCompression, Round
 
 Op = Literal["average", "sum", "adasum"]
 
 
-class Compressor(Protocol):
-    """Turns a gradient bucket into what is sent, and back."""
-
-    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]: ...
-
-    def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor: ...
-
-
-class NoCompression:
-    """Sends the bucket as it is."""
-
-    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        return tensor, None
-
-    def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor:
-        del ctx
-        return payload
-
-
 @dataclass
 class HookState:
-    """What the hook needs on every call: the op, the group and the compressor (stateful ones keep their
-    residuals on themselves, so a compressor's state is the strategy's to checkpoint)."""
+    """What the hook needs on every call: the op, the group, the compressor (stateful ones keep their
+    residuals on themselves) and each parameter's place in the forward order (for priorities)."""
 
     op: Op
     group: dist.ProcessGroup | None = None
     compressor: Compressor = field(default_factory=NoCompression)
+    parameter_positions: dict[int, float] = field(default_factory=dict)  # id(parameter) -> 0 (first) .. 1 (last)
     buckets_reduced: int = 0
 
     def __post_init__(self) -> None:
@@ -74,6 +59,46 @@ def bucket_tensor_lengths(bucket: dist.GradBucket) -> list[int]:
     return [length for _, length in spans]
 
 
+def bucket_info(state: HookState, bucket: dist.GradBucket) -> BucketInfo:
+    """The facts a compressor gets about `bucket`: its gradients' places and shapes, in DDP's order."""
+    buffer = bucket.buffer()
+    spans = tuple((grad.storage_offset() - buffer.storage_offset(), grad.shape) for grad in bucket.gradients())
+    positions = tuple(state.parameter_positions.get(id(p), 0.0) for p in bucket.parameters())
+    world = state.world_size
+    return BucketInfo(key=bucket.index(), world_size=world, rank=dist.get_rank(state.group),
+                      divisor=world if state.op == "average" else 1, spans=spans, positions=positions,
+                      is_last=bucket.is_last())
+
+
+def _pack(payloads: list[torch.Tensor]) -> torch.Tensor:
+    """Payloads of any dtypes as one byte tensor, so that one all-gather carries them all."""
+    return torch.cat([p.contiguous().view(-1).view(torch.uint8) for p in payloads])
+
+
+def _unpack(packed: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    parts, position = [], 0
+    for template in like:
+        size = template.numel() * template.element_size()
+        parts.append(packed[position : position + size].clone().view(template.dtype).view(template.shape))
+        position += size
+    return parts
+
+
+def run_round(round_: Round, group: dist.ProcessGroup | None) -> torch.futures.Future[Any]:
+    """Start the collective of one round; the future's value is what the compressor's decompress takes: the
+    summed payloads (all-reduce, in place) or, per rank, the list of its payloads (all-gather)."""
+    payloads = round_.payloads
+    if round_.collective == "all_reduce":
+        works = [dist.all_reduce(p, group=group, async_op=True) for p in payloads if p.numel()]
+        futures = [work.get_future() for work in works if work is not None]
+        return torch.futures.collect_all(futures).then(lambda _: payloads)  # type: ignore[arg-type]
+    packed = _pack(payloads)
+    gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
+    work = dist.all_gather(gathered, packed, group=group, async_op=True)
+    assert work is not None
+    return work.get_future().then(lambda _: [_unpack(part, payloads) for part in gathered])
+
+
 def combine_bucket(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The comm hook registered on DDP: reduce one bucket with `state.op` and return its future."""
     state.buckets_reduced += 1
@@ -85,17 +110,19 @@ def combine_bucket(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
         except Exception as exc:  # surfaces in backward() on this rank instead of dying in the reducer
             done.set_exception(exc)  # type: ignore[arg-type]
         return done
-    payload, ctx = state.compressor.compress(buffer)
-    divisor = state.world_size if state.op == "average" else 1
-    work = dist.all_reduce(payload, group=state.group, async_op=True)
-    assert work is not None
+    compressor, info = state.compressor, bucket_info(state, bucket)
+    compressor.wire.record_bucket(buffer.numel() * buffer.element_size(), info.world_size)
+    first = compressor.compress(buffer, info)
+    compressor.wire.record_round(first, info.world_size)
 
-    def finish(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        reduced = state.compressor.decompress(future.value()[0], ctx)
-        if divisor != 1:
-            reduced.div_(divisor)
-        if reduced.data_ptr() != buffer.data_ptr():
-            buffer.copy_(reduced)
+    def finish(future: torch.futures.Future[Any]) -> torch.Tensor:
+        result = compressor.decompress(future.value(), first.ctx)
+        while isinstance(result, Round):  # a further round (PowerSGD's Q): run it here, in the callback
+            compressor.wire.record_round(result, info.world_size)
+            result = compressor.decompress(run_round(result, state.group).wait(), result.ctx)
+        compressor.end_bucket(info)
+        if result.data_ptr() != buffer.data_ptr():
+            buffer.copy_(result.view_as(buffer))
         return buffer
 
-    return work.get_future().then(finish)
+    return run_round(first, state.group).then(finish)

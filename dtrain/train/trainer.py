@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dtrain.comm import Topology, all_gather_object, all_reduce_sums, broadcast_object
+from dtrain.compress import WireStats
 from dtrain.config import ExperimentConfig, Length
 from dtrain.data.arrays import keep_batch
 from dtrain.data.sharding import BatchSplit, ShardedBatchSampler, split_global_batch, validation_shard
@@ -61,13 +62,19 @@ class TrainerState:
     validation_history: list[dict[str, Any]] = field(default_factory=list)
     checkpoint_metrics: dict[int, float] = field(default_factory=dict)  # step -> searcher metric
     resumes: int = 0  # times training continued from a checkpoint (after a crash or a stop)
+    communicating_steps: int = 0  # optimizer updates whose gradients crossed the wire
+    wire_bytes: float = 0.0  # bytes this rank sent for them (chief's count)
+    payload_bytes: float = 0.0  # bytes it handed to collectives (compressed payloads)
+    dense_wire_bytes: float = 0.0  # what dense fp32 all-reduces would have sent
 
     def to_dict(self) -> dict[str, Any]:
         return {"steps_completed": self.steps_completed, "samples_trained": self.samples_trained,
                 "wall_seconds": self.wall_seconds, "training_seconds": self.training_seconds,
                 "validation_history": self.validation_history,
                 "checkpoint_metrics": {str(k): v for k, v in self.checkpoint_metrics.items()},
-                "resumes": self.resumes}
+                "resumes": self.resumes, "communicating_steps": self.communicating_steps,
+                "wire_bytes": self.wire_bytes, "payload_bytes": self.payload_bytes,
+                "dense_wire_bytes": self.dense_wire_bytes}
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> TrainerState:
@@ -75,7 +82,9 @@ class TrainerState:
                    wall_seconds=float(raw["wall_seconds"]), training_seconds=float(raw["training_seconds"]),
                    validation_history=list(raw["validation_history"]),
                    checkpoint_metrics={int(k): float(v) for k, v in raw["checkpoint_metrics"].items()},
-                   resumes=int(raw.get("resumes", 0)))
+                   resumes=int(raw.get("resumes", 0)), communicating_steps=int(raw.get("communicating_steps", 0)),
+                   wire_bytes=float(raw.get("wire_bytes", 0.0)), payload_bytes=float(raw.get("payload_bytes", 0.0)),
+                   dense_wire_bytes=float(raw.get("dense_wire_bytes", 0.0)))
 
 
 @dataclass(frozen=True)
@@ -384,7 +393,7 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.scheduler is not None:
                     self.scheduler.step()
-                self._log_update(step, lr, timeline_start)
+                self._log_update(step, lr, timeline_start, self._count_wire())
                 window_start = step
             size = self.split.per_rank[self.topology.rank]
             for name, value in outputs.items():
@@ -452,15 +461,38 @@ class Trainer:
             return self.lr_schedule.apply(self.schedule.epoch_of(window_start))
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def _log_update(self, step: int, lr: float, timeline_start: float) -> None:
-        """The rate and batch size of every optimizer update, to the store and TensorBoard (rank 0)."""
+    def _count_wire(self) -> WireStats | None:
+        """The bytes the update that just ran sent (None if nothing was sent), added to the run's totals."""
+        wire = self.strategy.take_wire_stats()
+        if wire is None or not wire.buckets:
+            return None
+        self.state.communicating_steps += 1
+        self.state.wire_bytes += wire.wire_bytes
+        self.state.payload_bytes += wire.payload_bytes
+        self.state.dense_wire_bytes += wire.dense_wire_bytes
+        return wire
+
+    def _log_update(self, step: int, lr: float, timeline_start: float, wire: WireStats | None) -> None:
+        """The rate, batch size and bytes sent of every optimizer update, to the store and TensorBoard (rank 0)."""
         if self.topology.is_chief:
             phase = self._phase
             assert phase is not None
-            self.metrics.training(step, self.schedule.epoch_of(step), time.perf_counter() - timeline_start,
-                                  {"lr": lr, "global_batch_size": float(self.split.global_batch_size),
-                                   "effective_batch_size": float(self.split.global_batch_size
-                                                                 * phase.aggregation_frequency)})
+            values = {"lr": lr, "global_batch_size": float(self.split.global_batch_size),
+                      "effective_batch_size": float(self.split.global_batch_size * phase.aggregation_frequency)}
+            if wire is not None:
+                values.update(bytes_per_step=wire.wire_bytes, payload_bytes_per_step=float(wire.payload_bytes),
+                              compression_ratio=wire.compression_ratio)
+            self.metrics.training(step, self.schedule.epoch_of(step), time.perf_counter() - timeline_start, values)
+
+    def _communication_summary(self) -> dict[str, Any]:
+        """Bytes per communicating update (this rank's, by the ring model) and the ratio to dense fp32."""
+        state, steps = self.state, self.state.communicating_steps
+        return {"compression": self.config.compression.name, "communicating_steps": steps,
+                "bytes_per_step": state.wire_bytes / steps if steps else 0.0,
+                "payload_bytes_per_step": state.payload_bytes / steps if steps else 0.0,
+                "dense_bytes_per_step": state.dense_wire_bytes / steps if steps else 0.0,
+                "compression_ratio": state.dense_wire_bytes / state.wire_bytes if state.wire_bytes else None,
+                "total_bytes": state.wire_bytes}
 
     # ------------------------------------------------------------------------------------------- data
 
@@ -647,6 +679,7 @@ class Trainer:
             "resumes": state.resumes,
             "tensorboard": str(self.run_dir / "tensorboard"),
             "strategy": self.strategy.describe(),
+            "communication": self._communication_summary(),
             **({"batch_size_phases": [
                 {"start_step": p.start_step, "global_batch_size": p.global_batch_size,
                  "per_slot_batch_size": self._split_of(p).per_rank[0], "aggregation_frequency": p.aggregation_frequency}
