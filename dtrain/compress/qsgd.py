@@ -1,8 +1,9 @@
 """QSGD (Alistarh et al., NeurIPS 2017, arXiv:1610.02132): stochastic quantization to s levels, unbiased.
 
 The bucket is cut into chunks of `chunk_size` elements (the paper's bucketing, d = 512 in its experiments);
-each chunk v is sent as its norm (in the gradient's dtype, fp32 in training) and, per element, sgn(v_i) * l_i with l_i in 0..s: l_i is
-floor(s|v_i|/norm) rounded up with probability equal to the remainder, so E[norm * sgn(v_i) * l_i / s] = v_i.
+each chunk v is sent as its norm (in the gradient's dtype, fp32 in training) and, per element, sgn(v_i) * l_i
+with l_i in 0..s: l_i is floor(s|v_i|/norm) rounded up with probability equal to the remainder, so
+E[norm * sgn(v_i) * l_i / s] = v_i.
 With s <= 127 sign and level fit one signed byte: at most 8 bits per element on the wire. Each rank has its
 own norms, so the payloads cannot be summed: they are all-gathered and every rank decodes and sums them.
 `norm: l2` is the paper's; `norm: max` (the common variant) uses max|v_i|, with lower variance.

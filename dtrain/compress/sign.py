@@ -2,9 +2,9 @@
 arXiv:1901.09847; 1-bit SGD, Seide et al. 2014).
 
 Each step a = g + e; every gradient tensor of the bucket is sent as one bit per element (its sign, packed
-eight to a byte) and one scale (fp32 in training), mean|a| over the tensor, so that the sent tensor scale * sign(a) has the
-same l1 norm as a; e = a - scale * sign(a). Scales differ per rank, so the payloads are all-gathered and
-every rank decodes and sums them: ceil(n/8) + 4 * tensors bytes per rank.
+eight to a byte) and one scale (fp32 in training), mean|a| over the tensor, so that the sent tensor
+scale * sign(a) has the same l1 norm as a; e = a - scale * sign(a). Scales differ per rank, so the payloads
+are all-gathered and every rank decodes and sums them: ceil(n/8) + 4 * tensors bytes per rank.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def bucket_tensor_lengths(bucket: dist.GradBucket) -> list[int]:
 def bucket_info(state: HookState, bucket: dist.GradBucket) -> BucketInfo:
     """The facts a compressor gets about `bucket`: its gradients' places and shapes, in DDP's order."""
     buffer = bucket.buffer()
-    spans = tuple((grad.storage_offset() - buffer.storage_offset(), grad.shape) for grad in bucket.gradients())
+    spans = tuple((int(grad.storage_offset() - buffer.storage_offset()), grad.shape) for grad in bucket.gradients())
     positions = tuple(state.parameter_positions.get(id(p), 0.0) for p in bucket.parameters())
     world = state.world_size
     return BucketInfo(key=bucket.index(), world_size=world, rank=dist.get_rank(state.group),

@@ -75,6 +75,6 @@ def run_spawned(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
     return [collected[rank] for rank in range(world_size)]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # a plain function: module-scoped fixtures may spawn once for many tests
 def spawn() -> Callable[..., list[Any]]:
     return run_spawned

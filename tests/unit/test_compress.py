@@ -189,7 +189,8 @@ def test_bytes_on_the_wire_equal_the_formula(name: str, world: int) -> None:
         payload = expected_payload_bytes(name) if not (name == "powersgd" and step < 2) else 4 * N
         gathered = name in ("qsgd", "topk", "sign")
         assert stats.payload_bytes == payload
-        assert stats.wire_bytes == pytest.approx((world - 1) * payload if gathered else 2 * (world - 1) / world * payload)
+        ring = (world - 1) * payload if gathered else 2 * (world - 1) / world * payload
+        assert stats.wire_bytes == pytest.approx(ring)
         assert stats.dense_wire_bytes == pytest.approx(2 * (world - 1) / world * 4 * N)
 
 
