@@ -139,6 +139,20 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], str]] = [
     ("bad op", config_with(distributed={"op": "mean"}), "distributed.op"),
     ("bad searcher name", config_with(searcher__name="bayes"), "searcher.name"),
     ("bad compression name", config_with(distributed={"compression": {"name": "zip"}}), "distributed.compression.name"),
+    ("compression option of another compressor", config_with(distributed={"compression": {"name": "fp16",
+                                                                                            "ratio": 0.1}}),
+     "distributed.compression.ratio"),
+    ("topk ratio above 1", config_with(distributed={"compression": {"name": "topk", "ratio": 2}}),
+     "distributed.compression.ratio"),
+    ("qsgd levels beyond a byte", config_with(distributed={"compression": {"name": "qsgd", "levels": 255}}),
+     "distributed.compression.levels"),
+    ("powersgd start_iter 1", config_with(distributed={"compression": {"name": "powersgd", "start_iter": 1}}),
+     "distributed.compression.start_iter"),
+    ("two compressions", config_with(optimizations={"gradient_compression": True},
+                                     distributed={"compression": {"name": "topk"}}),
+     "optimizations.gradient_compression"),
+    ("compression with adasum", config_with(distributed={"op": "adasum", "compression": {"name": "fp16"}}),
+     "distributed.op"),
     ("data loader workers negative", config_with(data_loader={"num_workers": -2}), "data_loader.num_workers"),
     ("entrypoint without class", config_with(entrypoint="model_def"), "entrypoint"),
     ("search space without searcher", config_with(hyperparameters__learning_rate={"type": "double", "minval": 0.1,
@@ -218,6 +232,22 @@ def test_unbuilt_features_are_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="distributed.strategy"):
         check_buildable(config)
     check_buildable(load_config(None, raw=BASE).config)
+
+
+def test_compression_is_buildable_and_determined_flag_means_fp16() -> None:
+    from dtrain.compress import REGISTRY, build_compressor
+
+    config = load_config(None, raw=config_with(optimizations={"gradient_compression": True})).config
+    check_buildable(config)
+    assert config.compression.name == "fp16"
+    raw = config_with(distributed={"compression": {"name": "topk", "ratio": 0.01, "warmup_steps": 100}})
+    config = load_config(None, raw=raw).config
+    check_buildable(config)
+    compressor = build_compressor(config.compression.name, **config.compression.options())
+    assert compressor.describe() == {"name": "topk", "ratio": 0.01, "error_feedback": True, "warmup_steps": 100,
+                                     "warmup_start_ratio": 0.25}
+    for name in REGISTRY:
+        check_buildable(load_config(None, raw=config_with(distributed={"compression": {"name": name}})).config)
 
 
 def test_large_batch_recipes_are_buildable() -> None:
