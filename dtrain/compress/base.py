@@ -143,8 +143,9 @@ class ErrorFeedback:
 
 
 class Compressor:
-    """Base of every compressor: one all-reduce of the payloads `_encode` returns, decoded by `_decode`.
-    Subclasses that need another collective or several rounds override `compress`/`decompress`."""
+    """Base of every compressor: the wire count, the step counter and the (counter-only) checkpoint state.
+    `compress` may use the bucket it is given as scratch space and `decompress` may write the result into it
+    (the hook copies the result into the bucket anyway), so callers must not expect the input unchanged."""
 
     name = "base"
 

@@ -108,14 +108,10 @@ class PowerSGD(Compressor):
             return Round("all_reduce", [flat / bucket.divisor], ("whole", tensor.dtype))
         key = bucket.key
         plan = self.plan(bucket)
-        work = flat.clone()
+        work = flat  # the gradient (+ error); the result is written into the bucket `flat` at the end
         if self.error_feedback:
             error = self.errors.get(key)
-            if error is not None and error.shape == work.shape:
-                work.add_(error)
-            else:
-                self.errors[key] = torch.zeros_like(work)
-        before = work.clone() if self.error_feedback else None
+            work = flat + error if error is not None and error.shape == flat.shape else flat.clone()
         whole = torch.cat([work[o : o + n] for o, n in plan.whole]) if plan.whole else work.new_empty(0)
         fresh = not self.warm_start or key not in self.p_memory or self.p_memory[key].numel() != plan.p_size
         if fresh:
@@ -133,40 +129,39 @@ class PowerSGD(Compressor):
                 orthogonalize(q, self.epsilon)
         ps = self._views(self.p_memory[key], plan, 1)
         for matrix, q, p in zip(self._matrix_views(work, plan), qs, ps, strict=True):
-            torch.bmm(matrix, q, out=p)
-        ctx = ("p", key, plan, work, before, bucket.divisor, tensor.dtype)
+            torch.mm(matrix[0], q[0].t().contiguous().t(), out=p[0])  # M Q, Q column-major: much faster on CPUs
+        ctx = ("p", key, plan, work, flat, bucket.divisor, tensor.dtype)
         return Round("all_reduce", [whole, self.p_memory[key]], ctx)
 
     def decompress(self, received: Any, ctx: Any) -> torch.Tensor | Round:
         if ctx[0] == "whole":
             return received[0].to(ctx[1])
-        stage, key, plan, work, before, divisor, dtype = ctx
-        matrices = self._matrix_views(work, plan)
+        stage, key, plan, work, out, divisor, dtype = ctx
         if stage == "p":
             whole = received[0].div_(divisor)
             position = 0
             for offset, numel in plan.whole:
-                work[offset : offset + numel].copy_(whole[position : position + numel])
+                out[offset : offset + numel].copy_(whole[position : position + numel])
                 position += numel
             self.p_memory[key] = received[1]
             ps = self._views(received[1], plan, 1)
             for p in ps:
                 orthogonalize(p, self.epsilon)
             qs = self._views(self.q_memory[key], plan, 2)
-            for matrix, p, q in zip(matrices, ps, qs, strict=True):
-                torch.bmm(matrix.transpose(1, 2), p, out=q)
-            return Round("all_reduce", [self.q_memory[key]], ("q", key, plan, work, before, divisor, dtype))
+            for matrix, p, q in zip(self._matrix_views(work, plan), ps, qs, strict=True):
+                q[0].copy_((p[0].t() @ matrix[0]).t())  # M^T P as (P^T M)^T: M is read row by row
+            return Round("all_reduce", [self.q_memory[key]], ("q", key, plan, work, out, divisor, dtype))
         self.q_memory[key] = received[0].div_(divisor)
         ps = self._views(self.p_memory[key], plan, 1)
         qs = self._views(self.q_memory[key], plan, 2)
-        for p, q, matrix in zip(ps, qs, matrices, strict=True):
-            torch.bmm(p, q.transpose(1, 2), out=matrix)
-        if before is not None:
-            self.errors[key] = before - work
+        for p, q, matrix in zip(ps, qs, self._matrix_views(out, plan), strict=True):
+            torch.mm(p[0], q[0].t(), out=matrix[0])
+        if self.error_feedback:
+            self.errors[key] = work - out
         if not self.warm_start:
             self.p_memory.clear()
             self.q_memory.clear()
-        return work.to(dtype)
+        return out if out.dtype == dtype else out.to(dtype)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "rank": self.rank, "start_iter": self.start_iter,

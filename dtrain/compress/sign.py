@@ -26,16 +26,19 @@ def pack_signs(values: torch.Tensor) -> torch.Tensor:
     return (padded.view(-1, 8) * _BIT_WEIGHTS).sum(dim=1, dtype=torch.uint8)
 
 
-def unpack_signs(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    """+1.0 / -1.0 per element, inverse of `pack_signs`."""
-    bits = (packed.unsqueeze(1) & _BIT_WEIGHTS).ne(0).view(-1)[:numel]
-    return bits.to(torch.float32).mul_(2).sub_(1)
+# row b: the eight signs (+1 / -1) byte b stands for, the highest bit first
+_SIGNS_OF_BYTE = ((torch.arange(256, dtype=torch.uint8).unsqueeze(1) & _BIT_WEIGHTS).ne(0).to(torch.float64) * 2 - 1)
 
 
-def segment_ids(bucket: BucketInfo, numel: int) -> torch.Tensor:
-    """For each element of the flat bucket, the index of the gradient tensor it belongs to."""
-    lengths = [int(shape.numel()) for _, shape in sorted(bucket.spans, key=lambda span: span[0])] or [numel]
-    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+def unpack_signs(packed: torch.Tensor, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """+1 / -1 per element, inverse of `pack_signs` (one table lookup per byte)."""
+    return _SIGNS_OF_BYTE.to(dtype)[packed.long()].view(-1)[:numel]
+
+
+def segments(bucket: BucketInfo, numel: int) -> list[tuple[int, int]]:
+    """(offset, length) of each gradient tensor in the flat bucket, in buffer order."""
+    spans = sorted((offset, int(shape.numel())) for offset, shape in bucket.spans)
+    return spans or [(0, numel)]
 
 
 class SignCompression(Compressor):
@@ -44,37 +47,32 @@ class SignCompression(Compressor):
     def __init__(self, error_feedback: bool = True) -> None:
         super().__init__()
         self.feedback = ErrorFeedback() if error_feedback else None
-        self._segments: dict[int, torch.Tensor] = {}
-
-    def _segments_of(self, bucket: BucketInfo, numel: int) -> torch.Tensor:
-        ids = self._segments.get(bucket.key)
-        if ids is None or ids.numel() != numel:
-            ids = self._segments[bucket.key] = segment_ids(bucket, numel)
-        return ids
 
     def compress(self, tensor: torch.Tensor, bucket: BucketInfo) -> Round:
         flat = tensor.reshape(-1)
         accumulated = self.feedback.add_residual(bucket.key, flat) if self.feedback else flat
-        ids = self._segments_of(bucket, flat.numel())
-        count = int(ids[-1]) + 1
-        sums = torch.zeros(count, dtype=flat.dtype).index_add_(0, ids, accumulated.abs())
-        scales = sums / torch.bincount(ids, minlength=count).to(flat.dtype)
+        spans = segments(bucket, flat.numel())
+        scales = torch.stack([accumulated[o : o + n].abs().mean() for o, n in spans])
         packed = pack_signs(accumulated)
-        if self.feedback:
-            sent = self._decode(packed, scales, ids)
-            self.feedback.keep(bucket.key, accumulated, sent)
-        return Round("all_gather", [scales, packed], (ids, tensor.dtype, bucket.divisor))
+        if self.feedback:  # residual = accumulated - sent, computed in place
+            accumulated.sub_(self._decode(packed, scales, spans, flat.numel()))
+            self.feedback.residuals[bucket.key] = accumulated
+        return Round("all_gather", [scales, packed], (flat, spans, bucket.divisor))
 
     @staticmethod
-    def _decode(packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return unpack_signs(packed, ids.numel()).to(scales.dtype).mul_(scales[ids])
+    def _decode(packed: torch.Tensor, scales: torch.Tensor, spans: list[tuple[int, int]], numel: int) -> torch.Tensor:
+        signs = unpack_signs(packed, numel, scales.dtype)
+        for (offset, length), scale in zip(spans, scales, strict=True):
+            signs[offset : offset + length].mul_(scale)
+        return signs
 
     def decompress(self, received: Any, ctx: Any) -> torch.Tensor:
-        ids, dtype, divisor = ctx
-        total = torch.zeros(ids.numel(), dtype=dtype)
-        for scales, packed in received:
-            total.add_(self._decode(packed, scales, ids))
-        return total / divisor if divisor != 1 else total
+        """The sum of every rank's signs times its scales, written into the bucket itself."""
+        out, spans, divisor = ctx
+        for rank, (scales, packed) in enumerate(received):
+            decoded = self._decode(packed, scales / divisor if divisor != 1 else scales, spans, out.numel())
+            out.copy_(decoded) if rank == 0 else out.add_(decoded)
+        return out
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "error_feedback": self.feedback is not None}

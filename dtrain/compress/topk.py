@@ -69,18 +69,18 @@ class TopK(Compressor):
         accumulated = self.feedback.add_residual(bucket.key, flat) if self.feedback else flat
         indices = top_k_indices(accumulated, self.k_for(flat.numel(), self.steps), self._generator)
         values = accumulated[indices]
-        if self.feedback:
-            sent = torch.zeros_like(accumulated)
-            sent[indices] = accumulated[indices]
-            self.feedback.keep(bucket.key, accumulated, sent)
-        return Round("all_gather", [values, indices.to(torch.int32)], (flat.numel(), tensor.dtype, bucket.divisor))
+        if self.feedback:  # the residual is what was not sent: the accumulated gradient with the sent entries zeroed
+            accumulated[indices] = 0
+            self.feedback.residuals[bucket.key] = accumulated
+        return Round("all_gather", [values, indices.to(torch.int32)], (flat, bucket.divisor))
 
     def decompress(self, received: Any, ctx: Any) -> torch.Tensor:
-        numel, dtype, divisor = ctx
-        total = torch.zeros(numel, dtype=dtype)
+        """The sum of every rank's entries, written into the bucket itself (it is no longer needed)."""
+        out, divisor = ctx
+        out.zero_()
         for values, indices in received:
-            total.index_add_(0, indices.to(torch.int64), values)
-        return total / divisor if divisor != 1 else total
+            out.index_add_(0, indices.to(torch.int64), values / divisor if divisor != 1 else values)
+        return out
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "ratio": self.ratio, "error_feedback": self.feedback is not None,

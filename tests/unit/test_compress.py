@@ -26,7 +26,7 @@ def gradients(seed: int, world: int, dtype: torch.dtype = torch.float32) -> list
 
 def round_trip(name: str, tensor: torch.Tensor, **options: object) -> torch.Tensor:
     """What one rank alone gets back: the compressor's own decoding of what it sent."""
-    return reduce_locally([build_compressor(name, **options)], [tensor], shapes=SHAPES)[0]
+    return reduce_locally([build_compressor(name, **options)], [tensor.clone()], shapes=SHAPES)[0]
 
 
 # ------------------------------------------------------------------------------------- round-trip bounds
@@ -44,7 +44,7 @@ def test_qsgd_error_is_below_one_level_per_element() -> None:
     x = gradients(1, 1)[0]
     for norm in ("l2", "max"):
         compressor = QSGD(levels=15, chunk_size=64, norm=norm)
-        out = reduce_locally([compressor], [x])[0]
+        out = reduce_locally([compressor], [x.clone()])[0]
         rows = torch.nn.functional.pad(x, (0, (-N) % 64)).view(-1, 64)
         norms = rows.norm(dim=1) if norm == "l2" else rows.abs().amax(dim=1)
         level = (norms / 15).repeat_interleave(64)[:N]
@@ -92,9 +92,11 @@ def test_powersgd_reproduces_a_rank_one_matrix_and_never_exceeds_the_gradient() 
     out = reduce_locally([compressor], [matrix.clone()], shapes=[torch.Size([48, 40])])[0]
     assert torch.allclose(out, matrix, rtol=0, atol=1e-12)
     noisy = torch.randn(48 * 40, dtype=torch.float64)
-    approximation = reduce_locally([PowerSGD(rank=4, start_iter=2, error_feedback=False)] * 1, [noisy],
-                                   shapes=[torch.Size([48, 40])])[0]
-    assert approximation.norm() <= noisy.norm() * (1 + 1e-12)
+    low_rank = PowerSGD(rank=4, start_iter=2, error_feedback=False)
+    for _ in range(3):  # the third is compressed
+        approximation = reduce_locally([low_rank], [noisy.clone()], shapes=[torch.Size([48, 40])])[0]
+    assert 0 < approximation.norm() <= noisy.norm() * (1 + 1e-12)
+    assert (approximation - noisy).norm() > 0.1 * noisy.norm()  # rank 4 of 40 loses most of a random matrix
 
 
 def test_bounded_loss_drops_at_most_epsilon_of_the_chunks_and_keeps_the_rest_exact() -> None:
@@ -102,7 +104,7 @@ def test_bounded_loss_drops_at_most_epsilon_of_the_chunks_and_keeps_the_rest_exa
     chunks = math.ceil(N / 16)
     for seed in range(3):
         x = gradients(10 + seed, 1)[0]
-        out = reduce_locally([compressor], [x], shapes=SHAPES)[0]
+        out = reduce_locally([compressor], [x.clone()], shapes=SHAPES)[0]
         rows_out = torch.nn.functional.pad(out, (0, chunks * 16 - N)).view(chunks, 16)
         rows_in = torch.nn.functional.pad(x, (0, chunks * 16 - N)).view(chunks, 16)
         dropped = [c for c in range(chunks) if not torch.equal(rows_out[c], rows_in[c])]
@@ -146,7 +148,7 @@ def test_error_feedback_conserves_the_sum_of_gradients(name: str, options: dict[
     gradient_total = torch.zeros(N, dtype=torch.float64)
     for step in range(12):
         g = gradients(100 + step, 1, torch.float64)[0]
-        sent_total += reduce_locally([compressor], [g], shapes=SHAPES)[0]
+        sent_total += reduce_locally([compressor], [g.clone()], shapes=SHAPES)[0]
         gradient_total += g
     residual = (compressor.errors[0] if isinstance(compressor, PowerSGD)
                 else compressor.feedback.residual(0))  # type: ignore[attr-defined]
