@@ -52,6 +52,15 @@ def alternate(variants: Sequence[tuple[str, Callable[[int], dict[str, Any]]]], r
     return rows
 
 
+def save_figure(figure: Any, path: Path) -> None:
+    """Lay out, write (120 dpi) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 

@@ -52,7 +52,7 @@ COMPRESSORS: dict[str, dict[str, Any]] = {
     "bounded_loss 5%": {"name": "bounded_loss", "epsilon": 0.05},
 }
 TARGETS = ("topk 1%", "powersgd r4", "fp16", "qsgd 8-bit")  # the issue's accuracy targets
-PER_RANK_BATCH = 64  # compute shorter than DDP's communication at 1 Gbit/s, as in the issue's measurement
+PER_RANK_BATCH = 64  # default: compute shorter than DDP's communication at 1 Gbit/s, as in the issue's measurement
 
 
 def communication_heavy_cnn() -> Any:
@@ -64,7 +64,7 @@ def communication_heavy_cnn() -> Any:
 # ------------------------------------------------------------------------------------------- speed
 
 
-def speed_worker(rounds: int, steps: int, out: Path) -> None:
+def speed_worker(rounds: int, steps: int, per_rank_batch: int, out: Path) -> None:
     """Runs in each of the 2 torchrun processes: every variant on the same model, alternated in blocks."""
     import torch
     import torch.distributed as dist
@@ -80,8 +80,8 @@ def speed_worker(rounds: int, steps: int, out: Path) -> None:
     torch.manual_seed(0)
     base = communication_heavy_cnn()
     generator = torch.Generator().manual_seed(1000 + topology.rank)
-    data = [(torch.randn(PER_RANK_BATCH, 3, 4, 4, generator=generator),
-             torch.randint(0, 10, (PER_RANK_BATCH,), generator=generator)) for _ in range(4)]
+    data = [(torch.randn(per_rank_batch, 3, 4, 4, generator=generator),
+             torch.randint(0, 10, (per_rank_batch,), generator=generator)) for _ in range(4)]
     counter = {"step": 0}
 
     def next_batch() -> Any:
@@ -146,7 +146,7 @@ def speed_worker(rounds: int, steps: int, out: Path) -> None:
         for label in (labels if round_index % 2 == 0 else list(reversed(labels))):
             seconds = block(label, steps)
             row = {"variant": label, "round": round_index, "step_seconds": seconds,
-                   "samples_per_second": PER_RANK_BATCH * topology.world_size / seconds}
+                   "samples_per_second": per_rank_batch * topology.world_size / seconds}
             if label in strategies:
                 wire = strategies[label].take_wire_stats()
                 assert wire is not None
@@ -161,7 +161,7 @@ def speed_worker(rounds: int, steps: int, out: Path) -> None:
     dist.destroy_process_group()
 
 
-def run_speed(rate: str, rounds: int, steps: int, workdir: Path) -> tuple[dict[str, Any], str]:
+def run_speed(rate: str, rounds: int, steps: int, per_rank_batch: int, workdir: Path) -> tuple[dict[str, Any], str]:
     from netem import measure_loopback_gbit_per_s, shaped_namespace
 
     out = workdir / "speed.json"
@@ -170,7 +170,8 @@ def run_speed(rate: str, rounds: int, steps: int, workdir: Path) -> tuple[dict[s
         measured = measure_loopback_gbit_per_s(ns, megabytes=32)
         print(f"namespace {ns.name}: {ns.describe()}; TCP measured {measured:.2f} Gbit/s", flush=True)
         result = ns.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                         __file__, "--worker", "--rounds", str(rounds), "--steps", str(steps), "--out", str(out)],
+                         __file__, "--worker", "--rounds", str(rounds), "--steps", str(steps),
+                         "--per-rank-batch", str(per_rank_batch), "--out", str(out)],
                         capture_output=True, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"speed workers failed:\n{result.stderr[-3000:]}")
@@ -226,6 +227,7 @@ def plot_accuracy(rows: list[dict[str, Any]], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from common import save_figure
 
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for row in rows:
@@ -237,9 +239,7 @@ def plot_accuracy(rows: list[dict[str, Any]], path: Path) -> None:
     axis.set_ylabel("final test accuracy (%)")
     axis.set_title(f"Fashion-MNIST, 2 workers, {rows[0]['epochs']:.0f} epochs: accuracy vs bytes sent")
     axis.grid(True, which="both", alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 # ------------------------------------------------------------------------------------------- main
@@ -251,6 +251,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="speed: rounds over all variants (default 6; 2 with --quick)")
     parser.add_argument("--steps", type=int, help="speed: steps per block (default 10; 5 with --quick)")
     parser.add_argument("--epochs", type=int, help="accuracy: epochs per run (default 3; 1 with --quick)")
+    parser.add_argument("--per-rank-batch", type=int, default=PER_RANK_BATCH,
+                        help=f"speed: samples per worker per step (default {PER_RANK_BATCH})")
     parser.add_argument("--rate", default="1gbit", help="tbf rate of the shaped loopback (default 1gbit)")
     parser.add_argument("--skip-speed", action="store_true", help="only the accuracy runs")
     parser.add_argument("--skip-accuracy", action="store_true", help="only the speed measurement")
@@ -260,7 +262,7 @@ def main() -> None:
     rounds = args.rounds or (2 if args.quick else 6)
     steps = args.steps or (5 if args.quick else 10)
     if args.worker:
-        speed_worker(rounds, steps, args.out)
+        speed_worker(rounds, steps, args.per_rank_batch, args.out)
         return
     from common import machine_info, markdown_table, write_results
     from netem import unavailable_reason
@@ -282,7 +284,7 @@ def main() -> None:
         else:
             print(f"speed: {rounds} rounds of {steps}-step blocks over {len(COMPRESSORS) + 2} variants at "
                   f"{args.rate} ...", flush=True)
-            job, network = run_speed(args.rate, rounds, steps, Path(tmp))
+            job, network = run_speed(args.rate, rounds, steps, args.per_rank_batch, Path(tmp))
             speed = summarize_speed(job)
             rows += [{"part": "speed", **row} for row in job["rows"]]
             compressed = [s for s in speed if s["variant"] in COMPRESSORS and s["variant"] != "none"]
@@ -294,7 +296,7 @@ def main() -> None:
                             fraction_of_bound={s["variant"]: round(s["fraction_of_bound"], 3) for s in speed},
                             speed_target=">= 0.83 of the bound (>= 2.3x DDP) for the best compressor",
                             rate=args.rate, rounds=rounds, steps_per_block=steps, parameters=job["parameters"],
-                            per_rank_batch=PER_RANK_BATCH)
+                            per_rank_batch=args.per_rank_batch)
             table = markdown_table(
                 ["variant", "samples/s", "step ms", "x DDP", "of bound", "MB sent per step", "compression"],
                 [[s["variant"], s["samples_per_second"], s["step_ms"], f"{s['speedup_vs_ddp']:.2f}",
@@ -304,10 +306,11 @@ def main() -> None:
             sections.append(
                 f"## Speed at {args.rate}\n\n{network}; 2 workers, the communication-heavy CNN "
                 f"({job['parameters']:,} parameters, {job['parameters'] * 4 / 1e6:.1f} MB of fp32 gradient), "
-                f"{PER_RANK_BATCH} samples per worker per step, {rounds} rounds of {steps}-step blocks alternated; "
-                f"medians. MB sent per step: what each worker transmits (ring all-reduce 2(n-1)/n of the payload, "
-                f"all-gather (n-1) times it).\n\n**best: {best['variant']}, {best['speedup_vs_ddp']:.2f}x DDP, "
-                f"{best['fraction_of_bound']:.2f} of the no-communication bound** (target >= 0.83, >= 2.3x)\n\n"
+                f"{args.per_rank_batch} samples per worker per step, {rounds} rounds of {steps}-step blocks "
+                f"alternated; medians. MB sent per step: what each worker transmits (ring all-reduce 2(n-1)/n of "
+                f"the payload, all-gather (n-1) times it).\n\n**best: {best['variant']}, "
+                f"{best['speedup_vs_ddp']:.2f}x DDP, {best['fraction_of_bound']:.2f} of the no-communication bound** "
+                f"(target >= 0.83, >= 2.3x)\n\n"
                 f"{table}")
         if not args.skip_accuracy:
             accuracy = []

@@ -42,15 +42,18 @@ class QSGD(Compressor):
     def quantize(self, tensor: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """(levels as int8 of the padded chunks, one fp32 norm per chunk)."""
         chunks = math.ceil(tensor.numel() / self.chunk_size)
-        padded = torch.zeros(chunks * self.chunk_size, dtype=tensor.dtype)
-        padded[: tensor.numel()] = tensor.reshape(-1)
-        rows = padded.view(chunks, self.chunk_size)
-        norms = rows.norm(dim=1) if self.norm == "l2" else rows.abs().amax(dim=1)
-        scaled = rows.abs() * (self.levels / torch.where(norms > 0, norms, torch.ones_like(norms))).unsqueeze(1)
-        floor = scaled.floor()
-        up = torch.rand(scaled.shape, generator=generator) < (scaled - floor)
-        level = (floor + up).clamp_(max=self.levels)
-        signed = torch.where(rows < 0, -level, level).to(torch.int8)
+        flat = tensor.reshape(-1)
+        if flat.numel() == chunks * self.chunk_size:
+            rows = flat.view(chunks, self.chunk_size)
+        else:
+            rows = torch.zeros(chunks, self.chunk_size, dtype=tensor.dtype)
+            rows.view(-1)[: flat.numel()] = flat
+        magnitude = rows.abs()
+        norms = rows.norm(dim=1) if self.norm == "l2" else magnitude.amax(dim=1)
+        magnitude.mul_((self.levels / torch.where(norms > 0, norms, torch.ones_like(norms))).unsqueeze(1))
+        # floor(x + u), u uniform in [0, 1), is floor(x) + 1 with probability frac(x): stochastic rounding
+        magnitude.add_(torch.rand(magnitude.shape, generator=generator, dtype=magnitude.dtype)).floor_()
+        signed = magnitude.clamp_(max=self.levels).copysign_(rows).to(torch.int8)
         return signed.view(-1), norms
 
     def dequantize(self, signed: torch.Tensor, norms: torch.Tensor, numel: int) -> torch.Tensor:
