@@ -252,7 +252,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="speed: steps per block (default 10; 5 with --quick)")
     parser.add_argument("--epochs", type=int, help="accuracy: epochs per run (default 3; 1 with --quick)")
     parser.add_argument("--per-rank-batch", type=int, default=PER_RANK_BATCH,
-                        help=f"speed: samples per worker per step (default {PER_RANK_BATCH})")
+                        help=f"speed: samples per worker per step (default {PER_RANK_BATCH}; another value writes "
+                             "results/compression_batch<N>.*)")
     parser.add_argument("--rate", default="1gbit", help="tbf rate of the shaped loopback (default 1gbit)")
     parser.add_argument("--skip-speed", action="store_true", help="only the accuracy runs")
     parser.add_argument("--skip-accuracy", action="store_true", help="only the speed measurement")
@@ -268,7 +269,8 @@ def main() -> None:
     from netem import unavailable_reason
 
     epochs = args.epochs or (1 if args.quick else 3)
-    name = "compression_quick" if args.quick else "compression"
+    name = "compression" + ("_quick" if args.quick else "") + (
+        f"_batch{args.per_rank_batch}" if args.per_rank_batch != PER_RANK_BATCH else "")
     headline: dict[str, Any] = {"workers": 2}
     rows: list[dict[str, Any]] = []
     sections = []
