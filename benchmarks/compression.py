@@ -344,7 +344,11 @@ def main() -> None:
                 f"compressor (2 workers, unshaped loopback, the same seed); drop = accuracy of `none` minus the "
                 f"compressor's, in points (target <= 1.0 for {', '.join(TARGETS)}).\n\n{table}\n\n![accuracy vs bytes]"
                 f"({plot})")
-    reproduce = f"flock /tmp/dtrain-bench.lock python benchmarks/compression.py{' --quick' if args.quick else ''}"
+    flags = "".join(f" {flag}" for flag, used in (("--quick", args.quick), ("--skip-speed", args.skip_speed),
+                                                   ("--skip-accuracy", args.skip_accuracy)) if used)
+    if args.per_rank_batch != PER_RANK_BATCH:
+        flags += f" --per-rank-batch {args.per_rank_batch}"
+    reproduce = f"flock /tmp/dtrain-bench.lock python benchmarks/compression.py{flags}"
     markdown = (f"# {name}\n\nGradient compression with 2 workers; see the docstring of `benchmarks/compression.py`."
                 f"\n\n" + "\n\n".join(sections) + f"\n\nReproduce (as root): `{reproduce}`\n")
     path = write_results(name, headline, rows, markdown, machine_info(network))
