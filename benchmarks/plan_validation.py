@@ -129,12 +129,13 @@ def predict(config: Config, calibration: Any, compute_measurement: Any, model: A
     from dtrain.plan.machine import compute_spec, fp16_compression, this_machine_topology
     from dtrain.plan.spec import StrategySpec
     from dtrain.plan.step import predict_step
+    from dtrain.plan.units import mib_to_bytes
 
     fit = calibration.allreduce["float16" if config.fp16 else "float32"]
     rate = NETWORKS[config.network]
     topology = this_machine_topology(fit, workers_per_node=2,
                                      link_gbit_per_s=NOMINAL_GBIT[rate] if rate else None)
-    strategy = StrategySpec(aggregation_frequency=config.aggregation)
+    strategy = StrategySpec(aggregation_frequency=config.aggregation, first_bucket_bytes=mib_to_bytes(1.0))
     if config.fp16:
         strategy = fp16_compression(strategy)
     compute = compute_spec(compute_measurement)
@@ -206,7 +207,7 @@ def ddp_worker(args: argparse.Namespace) -> None:
         "LOCAL_WORLD_SIZE": str(args.world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(args.port)})
     torch.manual_seed(0)
     model = DistributedDataParallel(build_mlp(hp["inputs"], hp["width"], hp["depth"], hp["classes"]),
-                                    bucket_cap_mb=25, gradient_as_bucket_view=True)
+                                    gradient_as_bucket_view=True)  # DDP's default buckets: 1 MiB first, then 25
     if args.fp16:
         model.register_comm_hook(None, fp16_compress_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=hp["learning_rate"], momentum=0.9)

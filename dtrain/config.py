@@ -101,6 +101,8 @@ class Optimizations(_Section):
     gradient_compression: bool = False
     mixed_precision: Literal["O0", "O1", "O2", "O3"] = "O0"
     tensor_fusion_threshold: float = Field(default=25.0, gt=0, description="bucket size in MB")
+    first_bucket_mb: float = Field(default=1.0, gt=0, description="cap of the bucket backward fills first "
+                                   "(DDP's default 1 MB: the last layers' all-reduce starts early)")
     auto_tune_tensor_fusion: bool = False
     memory_format: Literal["contiguous", "channels_last"] = "contiguous"
 

@@ -93,9 +93,9 @@ def add_plan_parser(commands: Any) -> argparse.ArgumentParser:
     strat.add_argument("--aggregation-frequency", type=int, help="batches per synchronization (default 1, or "
                                                                  "--config's)")
     strat.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket MiB (default 25, DDP's)")
-    strat.add_argument("--first-bucket-mb", type=float,
-                       help="the bucket backward fills first (default: --bucket-mb, as dtrain's DDP; plain DDP with "
-                            "bucket_cap_mb unset uses 1)")
+    strat.add_argument("--first-bucket-mb", type=float, default=1.0,
+                       help="cap of the bucket backward fills first (default 1, as dtrain's "
+                            "optimizations.first_bucket_mb and plain DDP; DDP given bucket_cap_mb uses --bucket-mb)")
 
     machine = plan.add_argument_group("this machine")
     machine.add_argument("--calibrate", action="store_true",
@@ -256,7 +256,7 @@ def _strategy_from_args(args: argparse.Namespace, facts: dict[str, Any], calibra
             compression_ratio=ratio, overlap=not args.no_overlap,
             aggregation_frequency=args.aggregation_frequency or facts.get("aggregation_frequency", 1),
             bucket_bytes=mib_to_bytes(args.bucket_mb),
-            first_bucket_bytes=mib_to_bytes(args.first_bucket_mb) if args.first_bucket_mb else None)
+            first_bucket_bytes=mib_to_bytes(min(args.first_bucket_mb, args.bucket_mb)))
     except ValueError as exc:
         raise PlanError(str(exc)) from None
 

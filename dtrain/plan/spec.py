@@ -127,7 +127,8 @@ class StrategySpec:
     CPU time to encode and decode, per byte of uncompressed gradient. `bucket_bytes`: DDP's gradient buckets
     (25 MiB; Horovod fuses up to 64 MB). `first_bucket_bytes`: the bucket backward fills first; torch DDP caps
     it at 1 MiB only when `bucket_cap_mb` is left unset (torch/nn/parallel/distributed.py,
-    _BucketCapacityConfig.create); dtrain sets `bucket_cap_mb`, so by default it is a full bucket."""
+    _BucketCapacityConfig.create); dtrain passes [first_bucket_mb, bucket size] (default 1 MiB) as DDP's
+    per-bucket caps. None here means a full first bucket."""
 
     algorithm: str = "ring"
     inter_node_algorithm: str = "ring"  # between the nodes of a hierarchical all-reduce

@@ -17,6 +17,7 @@ def build_strategy(config: ExperimentConfig, topology: Topology) -> SyncStrategy
     if name == "allreduce":
         return AllReduceStrategy(topology, op=config.distributed.op,
                                  bucket_cap_mb=config.optimizations.tensor_fusion_threshold,
+                                 first_bucket_mb=config.optimizations.first_bucket_mb,
                                  auto_tune_fusion=config.optimizations.auto_tune_tensor_fusion,
                                  find_unused_parameters=config.distributed.find_unused_parameters,
                                  compressor=build_compressor(config.compression.name, **config.compression.options()))

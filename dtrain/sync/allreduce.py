@@ -75,12 +75,14 @@ class AllReduceStrategy:
     name = "allreduce"
 
     def __init__(self, topology: Topology, *, op: Op = "average", bucket_cap_mb: float = 25.0,
+                 first_bucket_mb: float = 1.0,
                  auto_tune_fusion: bool = False, find_unused_parameters: bool = False,
                  compressor: Compressor | None = None, tuner_steps_per_visit: int = 6,
                  tuner_rounds: int = 3, tuner_warmup_steps: int = 5) -> None:
         self.topology = topology
         self.op: Op = op
         self.bucket_cap_mb = bucket_cap_mb
+        self.first_bucket_mb = first_bucket_mb
         self.auto_tune_fusion = auto_tune_fusion
         self.find_unused_parameters = find_unused_parameters
         self.compressor: Compressor = compressor or NoCompression()
@@ -158,6 +160,7 @@ class AllReduceStrategy:
 
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {"name": self.name, "op": self.op, "bucket_cap_mb": self.bucket_cap_mb,
+                                "first_bucket_mb": min(self.first_bucket_mb, self.bucket_cap_mb),
                                 "auto_tune_tensor_fusion": self.auto_tune_fusion,
                                 "compression": self.compressor.describe()}
         tuning = self.state_dict().get("fusion_tuning")
@@ -173,7 +176,11 @@ class AllReduceStrategy:
     def _build_ddp(self, model: nn.Module, *, init_sync: bool) -> DistributedDataParallel:
         """Gradients live in the buckets (no copy back) and are copied in one batched op per bucket."""
         device_ids = [self.topology.device.index] if self.topology.device.type == "cuda" else None
-        ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb,  # type: ignore[arg-type]
+        # A per-bucket cap list [first, rest] gives DDP's default layout (a small first bucket, so the last layers'
+        # all-reduce starts while backward goes on) with any bucket size; a plain bucket_cap_mb would make the
+        # first bucket as large as the others.
+        caps = [min(self.first_bucket_mb, self.bucket_cap_mb), self.bucket_cap_mb]
+        ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb_list=caps,  # type: ignore[arg-type]
                                       find_unused_parameters=self.find_unused_parameters,
                                       gradient_as_bucket_view=True, batched_grad_copy=True, init_sync=init_sync)
         self._hooked = self.op != "average" or not isinstance(self.compressor, NoCompression)

@@ -133,7 +133,8 @@ def _powersgd_against_torch(topology: Topology, rank: int) -> float:
                                          min_compression_rate=2, use_error_feedback=True, warm_start=True,
                                          random_seed=0)
     theirs.register_comm_hook(state, torch_powersgd.powerSGD_hook)
-    strategy = AllReduceStrategy(topology, compressor=PowerSGD(rank=rank, start_iter=2, seed=0))
+    strategy = AllReduceStrategy(topology, first_bucket_mb=25,  # one bucket, as torch's DDP with bucket_cap_mb=25
+                                 compressor=PowerSGD(rank=rank, start_iter=2, seed=0))
     ours = strategy.wrap_model(ours_model)
     opt_theirs = torch.optim.SGD(theirs_model.parameters(), lr=0.05)
     opt_ours = torch.optim.SGD(ours_model.parameters(), lr=0.05)

@@ -235,3 +235,34 @@ def test_auto_tuning_switches_buckets_without_changing_the_numbers(spawn: Any) -
         assert len(set(result["sizes"][:2 * len(tuning["candidates"])])) >= 2  # it really trained with each
         assert result["state"]["bucket_cap_mb"] in tuning["candidates"]
     assert results[0]["state"] == results[1]["state"]  # both ranks chose the same
+
+
+def _bucket_layouts(topology: Topology) -> tuple[list[int], list[int], list[int]]:
+    """Bucket sizes (elements) after DDP's rebuild: raw DDP with its defaults, dtrain's defaults, and dtrain
+    with 2 MB buckets."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    def layers() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(256, 256) for _ in range(24)])  # 24 x 257 KiB of gradient
+
+    def layout(wrapped: nn.Module, ddp: DistributedDataParallel) -> list[int]:
+        for _ in range(2):  # the reducer rebuilds its buckets after the first backward pass
+            wrapped(torch.randn(4, 256)).sum().backward()
+        return [bucket.buffer().numel() for bucket in ddp.reducer._get_zeros_like_grad_buckets()]
+
+    raw = DistributedDataParallel(layers())
+    layouts = [layout(raw, raw)]
+    for bucket_mb in (25.0, 2.0):
+        strategy = AllReduceStrategy(topology, bucket_cap_mb=bucket_mb)
+        wrapped = strategy.wrap_model(layers())
+        layouts.append(layout(wrapped, wrapped.ddp))  # type: ignore[attr-defined]
+        strategy.close()
+    return layouts[0], layouts[1], layouts[2]
+
+
+def test_first_bucket_is_small_like_ddp_default(spawn: Any) -> None:
+    raw, ours, two_mb = spawn(_bucket_layouts, 2)[0]
+    assert ours == raw  # the same layout as DDP's defaults: a 1 MiB first bucket, the rest in one
+    assert len(ours) == 2 and ours[0] * 4 <= 1.1 * 2**20
+    assert two_mb[0] == ours[0] and len(two_mb) > 2 and max(two_mb) * 4 <= 2.3 * 2**20
