@@ -36,6 +36,9 @@ class NodeSpec:
     def validate(self, world_size: int) -> None:
         if self.nnodes < 1:
             raise LaunchError(f"--nnodes {self.nnodes} must be >= 1")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise LaunchError(f"--master-port {self.master_port} must be a TCP port, 1..65535; pick a free one "
+                              "(or leave it out on one machine)")
         if not 0 <= self.node_rank < self.nnodes:
             raise LaunchError(f"--node-rank {self.node_rank} must be in [0, {self.nnodes - 1}] for --nnodes "
                               f"{self.nnodes}")

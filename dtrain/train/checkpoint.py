@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import time
@@ -175,9 +176,14 @@ def load_checkpoint(ref: CheckpointRef) -> tuple[dict[str, Any], dict[str, Any]]
     try:
         model_state = torch.load(ref.path / MODEL_FILE, map_location="cpu", weights_only=True)
         state = torch.load(ref.path / STATE_FILE, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(f"checkpoint {ref.path} cannot be loaded (UnpicklingError): it holds objects other than "
+                              "tensors and plain containers, which torch.load(weights_only=True) refuses because "
+                              "loading them could run code; it was not loaded - use checkpoints you wrote") from None
     except Exception as exc:  # the unpickler raises many kinds; all mean "not a checkpoint we can read"
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
         raise CheckpointError(f"checkpoint {ref.path} cannot be loaded ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+                              f"{text.splitlines()[0][:200] if text else ''})") from None
     return model_state, state
 
 
