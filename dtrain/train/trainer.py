@@ -404,8 +404,8 @@ class Trainer:
                     lr = self._set_learning_rate(window_start)
                     self.strategy.step(self.optimizer)
                     self._log_update(step, lr, timeline_start)
-                    for name, value in window.items():
-                        sums[name] = sums.get(name, 0.0) + value
+                    for name, total in window.items():
+                        sums[name] = sums.get(name, 0.0) + total
                 else:
                     state.nan_steps_skipped = self.guard.skipped
                     self._note_skip(step, verdict.nonfinite_ranks)

@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-from dtrain.train import checkpoint as ckpt
 from faultkit import CONFIG, dtrain, error_lines, fault_records, final_model, summary
+
+from dtrain.train import checkpoint as ckpt
 
 
 @pytest.fixture(scope="module")
