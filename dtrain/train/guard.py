@@ -23,6 +23,9 @@ import torch
 from dtrain.comm import rank_flags
 from dtrain.errors import TrainingDiverged
 
+RECIPE_ADVICE = ("lower the learning rate (large_batch.base_lr or the Trial's), warm it up (large_batch.warmup_epochs) "
+                 "or use large_batch.optimizer lars or lamb")
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -104,13 +107,13 @@ class UpdateGuard:
         where = f"batch {step}: the gradient on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} is " \
                 "not finite (NaN or infinity)"
         if self.policy == "abort":
-            raise TrainingDiverged(f"training diverged: {where}; the update was not applied (nan_policy abort), "
-                                   "training up to the latest checkpoint is kept; set nan_policy: skip to skip such "
-                                   "updates, or lower the learning rate")
+            raise TrainingDiverged(f"training diverged: {where}; the update was not applied (nan_policy abort) and "
+                                   f"training up to the latest checkpoint is kept; {RECIPE_ADVICE}, or set nan_policy: "
+                                   "skip to skip such updates")
         self.in_a_row += 1
         self.skipped += 1
         if self.in_a_row > self.max_consecutive:
             raise TrainingDiverged(f"training diverged: {where}, {self.in_a_row} updates in a row, more than "
                                    f"max_consecutive_nan_skips ({self.max_consecutive}); training up to the latest "
-                                   "checkpoint is kept; lower the learning rate or check the data of these batches")
+                                   f"checkpoint is kept; {RECIPE_ADVICE}, or check the data of these batches")
         return Verdict(apply=False, stop=stop, nonfinite_ranks=bad)

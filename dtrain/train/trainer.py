@@ -33,7 +33,7 @@ from dtrain.optim.lr_schedule import ScheduledLR
 from dtrain.sync import SyncStrategy, build_strategy
 from dtrain.train import checkpoint as ckpt
 from dtrain.train.faults import FAULTS_FILE, FaultInjector
-from dtrain.train.guard import GracefulStop, UpdateGuard, model_digest
+from dtrain.train.guard import RECIPE_ADVICE, GracefulStop, UpdateGuard, model_digest
 from dtrain.train.metrics import MetricsWriter
 from dtrain.train.progress import Progress
 from dtrain.train.rng import capture_rng_state, restore_rng_state, seed_everything
@@ -561,8 +561,7 @@ class Trainer:
             raise TrainingDiverged(
                 f"training diverged: the mean training {' and '.join(broken)} up to batch {step} is not finite "
                 f"(learning rate {self.optimizer.param_groups[0]['lr']:.4g}, global batch "
-                f"{self.split.global_batch_size}); lower the rate (large_batch.base_lr or the Trial's), warm it up "
-                "(large_batch.warmup_epochs) or use large_batch.optimizer lars or lamb")
+                f"{self.split.global_batch_size}); {RECIPE_ADVICE}")
         values["samples_per_second"] = self.state.samples_trained / train_time if train_time > 0 else 0.0
         if self.topology.is_chief:
             self.metrics.training(step, self.schedule.epoch_of(step), time.perf_counter() - timeline_start, values)
