@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dtrain-setup
 DATA_DIR := /usr/share/datasets/fashion-mnist
 
-.PHONY: setup data demo test test-unit test-distributed bench lint clean
+.PHONY: setup data demo test test-unit test-distributed test-faults bench lint clean
 
 setup: $(STAMP) data
 
@@ -38,6 +38,7 @@ demo: setup
 test: setup
 	$(PY) -m pytest tests/unit -q
 	$(PY) -m pytest tests/distributed -q
+	$(PY) -m pytest tests/faults -q
 
 test-unit: setup
 	$(PY) -m pytest tests/unit -q
@@ -45,11 +46,15 @@ test-unit: setup
 test-distributed: setup
 	$(PY) -m pytest tests/distributed -q
 
+test-faults: setup
+	$(PY) -m pytest tests/faults -q
+
 bench: setup
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/demo_vs_ddp.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/sync_vs_ddp.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/large_batch.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/plan_validation.py
+	flock /tmp/dtrain-bench.lock $(PY) benchmarks/chaos.py
 
 lint: setup
 	$(VENV)/bin/ruff check dtrain tests benchmarks examples

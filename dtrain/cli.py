@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run", help="train an experiment", description="Train the experiment a YAML file describes, with one "
         "worker process per slot (resources.slots_per_trial). Exit code 0 only when training finished; 1 when "
-        "workers failed; 2 for a config, data or Trial error; 3 when stopped early (resumable).",
+        "workers failed; 2 for a config, data, checkpoint or Trial error or a diverged run; 3 when stopped early "
+        "(resumable); 130 when interrupted (Ctrl-C or SIGTERM: the workers checkpoint after the batch they are on; "
+        "resumable).",
         epilog="Across machines run the same command on every node with --nnodes, --node-rank and the chief's "
         "--master-addr/--master-port. Running it again with the same --run-dir resumes an unfinished run.")
     run.add_argument("config", type=Path, help="experiment YAML file")

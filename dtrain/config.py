@@ -312,6 +312,22 @@ class Profiling(_Section):
     sync_timings: bool = True
 
 
+class Kill(_Section):
+    """One injected crash: SIGKILL `rank` at the start of `batch` (`during: step`), or in the middle of the first
+    checkpoint write at or after `batch` (`during: checkpoint`; rank 0, the writer). Each fires once per run dir."""
+
+    rank: int = Field(ge=0)
+    batch: int = Field(ge=1)
+    during: Literal["step", "checkpoint"] = "step"
+
+    @model_validator(mode="after")
+    def _writer_only(self) -> Kill:
+        if self.during == "checkpoint" and self.rank != 0:
+            raise ValueError(f"a kill `during: checkpoint` hits the checkpoint writer, rank 0, not rank {self.rank}; "
+                             "set `rank: 0` or use `during: step`")
+        return self
+
+
 class Debug(_Section):
     stop_after_batch: int | None = Field(default=None, ge=1,
                                          description="checkpoint and stop after this batch, as a preemption would")
@@ -319,6 +335,25 @@ class Debug(_Section):
                                   description="make this rank a straggler (see slow_factor)")
     slow_factor: float = Field(default=1.0, ge=1.0,
                                description="the straggler's forward + backward take this many times as long")
+    kills: list[Kill] = Field(default_factory=list, description="crashes to inject (SIGKILL), each once per run dir")
+    nan_rank: int | None = Field(default=None, ge=0, description="the rank whose gradient gets a NaN (nan_batches)")
+    nan_batches: list[int] = Field(default_factory=list,
+                                   description="batches after whose backward pass nan_rank's gradient gets a NaN")
+
+    @model_validator(mode="after")
+    def _nan_pair(self) -> Debug:
+        if (self.nan_rank is None) != (not self.nan_batches):
+            raise ValueError("debug.nan_rank and debug.nan_batches go together (which rank, which batches); "
+                             "give both, e.g. `nan_rank: 1` and `nan_batches: [7]`, or neither")
+        if any(batch < 1 for batch in self.nan_batches):
+            raise ValueError(f"debug.nan_batches {self.nan_batches} must be batch numbers >= 1")
+        return self
+
+    def ranks(self) -> dict[str, int]:
+        """Every rank this section names, by the key that names it."""
+        named = {"debug.slow_rank": self.slow_rank, "debug.nan_rank": self.nan_rank}
+        named.update({f"debug.kills[{i}].rank": kill.rank for i, kill in enumerate(self.kills)})
+        return {key: rank for key, rank in named.items() if rank is not None}
 
 
 class ExperimentConfig(_Section):
@@ -337,6 +372,11 @@ class ExperimentConfig(_Section):
     checkpoint_policy: Literal["best", "all", "none"] = "best"
     checkpoint_storage: CheckpointStorage = Field(default_factory=CheckpointStorage)
     max_restarts: int = Field(default=5, ge=0)
+    nan_policy: Literal["abort", "skip"] = Field(
+        default="abort", description="a non-finite gradient on any rank: stop with an error, or skip that update "
+                                     "on every rank")
+    max_consecutive_nan_skips: int = Field(default=5, ge=1, description="with nan_policy skip: stop after this many "
+                                                                         "skipped updates in a row")
     scheduling_unit: int = Field(default=100, ge=1)
     perform_initial_validation: bool = False
     optimizations: Optimizations = Field(default_factory=Optimizations)
@@ -380,10 +420,10 @@ class ExperimentConfig(_Section):
     @model_validator(mode="after")
     def _debug_ranks(self) -> ExperimentConfig:
         world = self.resources.world_size
-        rank = self.debug.slow_rank
-        if rank is not None and rank >= world:
-            raise ValueError(f"debug.slow_rank ({rank}) must name a worker rank below resources.slots_per_trial "
-                             f"({world}); use 0..{world - 1}")
+        for key, rank in self.debug.ranks().items():
+            if rank >= world:
+                raise ValueError(f"{key} ({rank}) must name a worker rank below resources.slots_per_trial "
+                                 f"({world}); use 0..{world - 1}")
         return self
 
     @model_validator(mode="after")
@@ -612,7 +652,7 @@ def _explain_one(error: Any, data: dict[str, Any], override_keys: list[str]) -> 
         return f"`{dotted}` is required{origin}; add it, e.g. {_example(loc)}"
     if kind == "value_error":
         message = str(ctx.get("error", error["msg"]))
-        self_named = message.startswith(("hyperparameters", "entrypoint", "large_batch"))
+        self_named = message.startswith(("hyperparameters", "entrypoint", "large_batch", "debug"))
         return f"`{dotted}`{origin}: {message}" if dotted and not self_named else message + origin
     shown = f"{value!r}"
     if kind in ("greater_than_equal", "greater_than"):

@@ -36,6 +36,9 @@ class NodeSpec:
     def validate(self, world_size: int) -> None:
         if self.nnodes < 1:
             raise LaunchError(f"--nnodes {self.nnodes} must be >= 1")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise LaunchError(f"--master-port {self.master_port} must be a TCP port, 1..65535; pick a free one "
+                              "(or leave it out on one machine)")
         if not 0 <= self.node_rank < self.nnodes:
             raise LaunchError(f"--node-rank {self.node_rank} must be in [0, {self.nnodes - 1}] for --nnodes "
                               f"{self.nnodes}")
@@ -101,9 +104,12 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
         elastic_launch(launch_config, entrypoint=sys.executable)(*args)
     except (SignalException, KeyboardInterrupt) as exc:
         signal_name = getattr(getattr(exc, "sigval", None), "name", "SIGINT")
-        return LaunchResult(INTERRUPTED_EXIT_CODE, f"interrupted by {signal_name}; the workers were stopped. Training "
-                            "up to the latest checkpoint is kept: run the same command with --run-dir "
-                            f"{run_dir} to resume")
+        latest = run_dir / "checkpoints" / "latest"
+        kept = latest.read_text().strip() if latest.is_file() else None
+        what = f"training up to checkpoints/{kept} is kept" if kept else "no checkpoint was written yet"
+        return LaunchResult(INTERRUPTED_EXIT_CODE, f"interrupted by {signal_name}; the workers stopped at the next "
+                            f"update with a checkpoint where they could, and {what}: run the same command with "
+                            f"--run-dir {run_dir} to resume")
     except ChildFailedError as exc:
         fatal = read_fatal(run_dir, run_id)
         if fatal is not None:

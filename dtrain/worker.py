@@ -126,7 +126,20 @@ def run_worker(args: argparse.Namespace) -> int:
     trainer = Trainer(config=config, trial_class=trial_class, topology=topology, run_info=run_info)
     trainer.fit()
     barrier()
-    return 0
+    return INTERRUPTED_EXIT_CODE if trainer.status == "interrupted" else 0
+
+
+_PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
+
+
+def _lost_a_peer(exc: BaseException) -> bool:
+    """True for the errors gloo and the store raise when another worker process has died."""
+    return any(marker in str(exc) for marker in _PEER_LOSS)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text.split("] ", 1)[-1][:160]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,6 +158,16 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:  # Ctrl-C or the agent stopping us: the launcher reports it, no traceback
             logging.getLogger("dtrain").warning("interrupted", extra={"console": False})
             return INTERRUPTED_EXIT_CODE
+        except RuntimeError as exc:
+            if not _lost_a_peer(exc):
+                raise
+            # a worker died (crash, kill, lost node) and a collective noticed: the launcher restarts everyone
+            logging.getLogger("dtrain").error("a collective failed: another worker is gone", exc_info=True,
+                                              extra={"console": False})
+            print(f"dtrain: rank {os.environ.get('RANK', '?')}: another worker is gone ({_first_line(exc)}); "
+                  "stopping so that the workers can be restarted from the latest checkpoint", file=sys.stderr,
+                  flush=True)
+            return 1
         except DtrainError as exc:
             rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
             logging.getLogger("dtrain").error("%s", exc, extra={"console": False})

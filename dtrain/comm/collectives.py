@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -57,3 +57,13 @@ def any_rank(flag: bool) -> bool:
     packed = torch.tensor([1 if flag else 0], dtype=torch.int32)
     dist.all_reduce(packed, op=dist.ReduceOp.MAX)
     return bool(packed.item())
+
+
+def rank_flags(flags: Sequence[bool]) -> list[tuple[bool, ...]]:
+    """Every rank's `flags`, in rank order, from one small all-reduce (all ranks pass the same number)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [tuple(flags)]
+    table = torch.zeros(dist.get_world_size(), len(flags), dtype=torch.int32)
+    table[dist.get_rank()] = torch.tensor([1 if flag else 0 for flag in flags], dtype=torch.int32)
+    dist.all_reduce(table)
+    return [tuple(bool(v) for v in row) for row in table.tolist()]

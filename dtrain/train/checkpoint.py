@@ -15,8 +15,11 @@ import hashlib
 import json
 import logging
 import os
+import pickle
+import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,14 +74,18 @@ def _save_file(obj: Any, path: Path) -> None:
 
 
 def write_checkpoint(root: Path, step: int, model_state: dict[str, Any], state: dict[str, Any],
-                     extra_meta: dict[str, Any] | None = None) -> CheckpointRef:
-    """Write a complete checkpoint for `step` and point `latest` at it; call on one rank only."""
+                     extra_meta: dict[str, Any] | None = None,
+                     after_model_file: Callable[[], None] | None = None) -> CheckpointRef:
+    """Write a complete checkpoint for `step` and point `latest` at it; call on one rank only.
+    `after_model_file` runs between the two data files (fault injection kills the writer there)."""
     root.mkdir(parents=True, exist_ok=True)
     partial = root / f".partial-{checkpoint_name(step)}-{os.getpid()}"
     if partial.exists():
         shutil.rmtree(partial)
     partial.mkdir()
     _save_file(model_state, partial / MODEL_FILE)
+    if after_model_file is not None:
+        after_model_file()
     _save_file(state, partial / STATE_FILE)
     files = {name: {"sha256": _sha256(partial / name), "bytes": (partial / name).stat().st_size}
              for name in (MODEL_FILE, STATE_FILE)}
@@ -114,15 +121,17 @@ def verify_checkpoint(path: Path) -> CheckpointRef:
     if not meta_path.is_file():
         raise CheckpointError(f"checkpoint {path} has no {META_FILE}, so it was never completed")
     try:
-        meta = json.loads(meta_path.read_text())
+        meta = json.loads(meta_path.read_bytes())
         files, step = meta["files"], int(meta["step"])
-    except (ValueError, KeyError, TypeError):
-        raise CheckpointError(f"checkpoint {path}: {META_FILE} is unreadable") from None
-    for name, expected in files.items():
+        expected = {name: (int(files[name]["bytes"]), str(files[name]["sha256"])) for name in (MODEL_FILE, STATE_FILE)}
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        raise CheckpointError(f"checkpoint {path}: {META_FILE} is unreadable or lacks the sizes and checksums of "
+                              f"{MODEL_FILE} and {STATE_FILE}") from None
+    for name, (size, digest) in expected.items():
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint {path} lacks {name}")
-        if file.stat().st_size != expected["bytes"] or _sha256(file) != expected["sha256"]:
+        if file.stat().st_size != size or _sha256(file) != digest:
             raise CheckpointError(f"checkpoint {path}: {name} does not match its checksum (corrupt or partly written)")
     return CheckpointRef(path=path, step=step)
 
@@ -143,9 +152,12 @@ def find_resume_checkpoint(root: Path) -> CheckpointRef | None:
     latest_file = root / LATEST_FILE
     if not latest_file.is_file():
         return None
-    named = root / latest_file.read_text().strip()
-    candidates = [named] + [p for p in reversed(list_checkpoints(root)) if p != named]
+    name = latest_file.read_bytes().decode("utf-8", "replace").strip()
     problems = []
+    if re.fullmatch(r"step-\d+", name) is None:  # never a path: `latest` must not lead outside checkpoints/
+        problems.append(f"{latest_file} holds {name[:40]!r}, not a checkpoint name like step-100")
+    named = root / name if not problems else None
+    candidates = ([named] if named is not None else []) + [p for p in reversed(list_checkpoints(root)) if p != named]
     for candidate in candidates:
         try:
             ref = verify_checkpoint(candidate)
@@ -164,9 +176,14 @@ def load_checkpoint(ref: CheckpointRef) -> tuple[dict[str, Any], dict[str, Any]]
     try:
         model_state = torch.load(ref.path / MODEL_FILE, map_location="cpu", weights_only=True)
         state = torch.load(ref.path / STATE_FILE, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(f"checkpoint {ref.path} cannot be loaded (UnpicklingError): it holds objects other than "
+                              "tensors and plain containers, which torch.load(weights_only=True) refuses because "
+                              "loading them could run code; it was not loaded - use checkpoints you wrote") from None
     except Exception as exc:  # the unpickler raises many kinds; all mean "not a checkpoint we can read"
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
         raise CheckpointError(f"checkpoint {ref.path} cannot be loaded ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+                              f"{text.splitlines()[0][:200] if text else ''})") from None
     return model_state, state
 
 

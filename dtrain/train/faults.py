@@ -1,24 +1,68 @@
 """Fault injection for tests and benchmarks, driven by the config's `debug:` section.
 
 Each injection point is a method the Trainer calls at a fixed place in a step, so that a fault happens
-at the same step and on the same rank in every run (reproducible straggler, crash and hang scenarios).
+at the same step and on the same rank in every run (reproducible straggler, crash and NaN scenarios):
+- `before_compute` / `after_compute`: the straggler (`slow_rank`, `slow_factor`);
+- `before_step`: SIGKILL at the start of a batch (`kills` with `during: step`);
+- `during_checkpoint`: SIGKILL between the files of a checkpoint write (`kills` with `during: checkpoint`);
+- `corrupt_gradients`: a NaN in a gradient after the backward pass (`nan_rank`, `nan_batches`).
+
+A kill fires once per run dir: before dying, the rank appends it to `logs/faults.jsonl`, and the restarted
+rank skips the kills recorded there, so a run with kills ends like a clean one.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from dtrain.config import Debug
+import torch
+from torch import nn
+
+from dtrain.config import Debug, Kill
+
+log = logging.getLogger(__name__)
+
+FAULTS_FILE = "faults.jsonl"
+
+
+def read_fault_records(path: Path) -> list[dict[str, Any]]:
+    """The faults a run dir's `logs/faults.jsonl` records, oldest first (a line cut by a kill is ignored)."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records
 
 
 @dataclass
 class FaultInjector:
-    """Applies the faults `debug` asks for on this rank."""
+    """Applies the faults `debug` asks for on this rank; `record_path` is where fired kills are remembered."""
 
     debug: Debug
     rank: int
+    record_path: Path | None = None
+    restart_count: int = 0
     _last_compute_seconds: float | None = field(default=None, init=False)
+    _pending: list[tuple[int, Kill]] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        fired = {record["index"] for record in read_fault_records(self.record_path)
+                 if record.get("event") == "kill"} if self.record_path else set()
+        self._pending = [(i, kill) for i, kill in enumerate(self.debug.kills)
+                         if kill.rank == self.rank and i not in fired]
+
+    # ------------------------------------------------------------------------------------- straggler
 
     @property
     def slowed(self) -> bool:
@@ -38,3 +82,48 @@ class FaultInjector:
     def after_compute(self, compute_seconds: float) -> None:
         """Record how long this step's own forward + backward took (without the injected delay)."""
         self._last_compute_seconds = compute_seconds
+
+    # ------------------------------------------------------------------------------------------ kills
+
+    def before_step(self, step: int) -> None:
+        """SIGKILL this rank at the start of batch `step` if a pending kill asks for it."""
+        for index, kill in self._pending:
+            if kill.during == "step" and kill.batch == step:
+                self._die(index, kill, steps_done=step - 1)
+
+    def during_checkpoint(self, step: int) -> None:
+        """SIGKILL this rank in the middle of the checkpoint write after batch `step` (some files written,
+        `meta.json` not) if a pending kill asks for the first write at or after its batch."""
+        for index, kill in self._pending:
+            if kill.during == "checkpoint" and kill.batch <= step:
+                self._die(index, kill, steps_done=step)
+
+    def _die(self, index: int, kill: Kill, steps_done: int) -> None:
+        record = {"event": "kill", "index": index, "rank": self.rank, "batch": kill.batch, "during": kill.during,
+                  "steps_done": steps_done, "restart": self.restart_count, "time": time.time()}
+        log.warning("debug.kills[%d]: killing rank %d with SIGKILL %s batch %d", index, self.rank,
+                    "in the checkpoint write after" if kill.during == "checkpoint" else "at the start of", kill.batch)
+        if self.record_path is not None:
+            self.record_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.record_path.open("a") as handle:
+                handle.write(json.dumps(record) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    # -------------------------------------------------------------------------------------------- NaN
+
+    def corrupt_gradients(self, step: int, model: nn.Module) -> bool:
+        """Put a NaN into the first gradient of this rank after batch `step`'s backward pass (after the
+        gradients were synchronized, so only this rank sees it) if debug asks; True when it did."""
+        if self.debug.nan_rank != self.rank or step not in self.debug.nan_batches:
+            return False
+        for parameter in model.parameters():
+            if parameter.grad is not None:
+                with torch.no_grad():
+                    parameter.grad.view(-1)[0] = float("nan")
+                log.info("debug.nan_batches: NaN put into a gradient of rank %d at batch %d", self.rank, step)
+                return True
+        return False

@@ -26,14 +26,15 @@ from dtrain.compress import WireStats
 from dtrain.config import ExperimentConfig, Length
 from dtrain.data.arrays import keep_batch
 from dtrain.data.sharding import BatchSplit, ShardedBatchSampler, split_global_batch, validation_shard
-from dtrain.errors import ConfigError, SyncError, TrainingDiverged, TrialError
+from dtrain.errors import CheckpointError, ConfigError, SyncError, TrainingDiverged, TrialError
 from dtrain.optim.batch_schedule import BatchPhase, BatchPlan, resolve_changes
 from dtrain.optim.build import build_lr_schedule
 from dtrain.optim.build import build_optimizer as build_config_optimizer
 from dtrain.optim.lr_schedule import ScheduledLR
 from dtrain.sync import SyncStrategy, build_strategy
 from dtrain.train import checkpoint as ckpt
-from dtrain.train.faults import FaultInjector
+from dtrain.train.faults import FAULTS_FILE, FaultInjector
+from dtrain.train.guard import RECIPE_ADVICE, GracefulStop, UpdateGuard, model_digest
 from dtrain.train.metrics import MetricsWriter
 from dtrain.train.progress import Progress
 from dtrain.train.rng import capture_rng_state, restore_rng_state, seed_everything
@@ -66,6 +67,7 @@ class TrainerState:
     wire_bytes: float = 0.0  # bytes this rank sent for them (chief's count)
     payload_bytes: float = 0.0  # bytes it handed to collectives (compressed payloads)
     dense_wire_bytes: float = 0.0  # what dense fp32 all-reduces would have sent
+    nan_steps_skipped: int = 0  # updates skipped for a non-finite gradient (nan_policy skip)
 
     def to_dict(self) -> dict[str, Any]:
         return {"steps_completed": self.steps_completed, "samples_trained": self.samples_trained,
@@ -74,7 +76,7 @@ class TrainerState:
                 "checkpoint_metrics": {str(k): v for k, v in self.checkpoint_metrics.items()},
                 "resumes": self.resumes, "communicating_steps": self.communicating_steps,
                 "wire_bytes": self.wire_bytes, "payload_bytes": self.payload_bytes,
-                "dense_wire_bytes": self.dense_wire_bytes}
+                "dense_wire_bytes": self.dense_wire_bytes, "nan_steps_skipped": self.nan_steps_skipped}
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> TrainerState:
@@ -84,7 +86,8 @@ class TrainerState:
                    checkpoint_metrics={int(k): float(v) for k, v in raw["checkpoint_metrics"].items()},
                    resumes=int(raw.get("resumes", 0)), communicating_steps=int(raw.get("communicating_steps", 0)),
                    wire_bytes=float(raw.get("wire_bytes", 0.0)), payload_bytes=float(raw.get("payload_bytes", 0.0)),
-                   dense_wire_bytes=float(raw.get("dense_wire_bytes", 0.0)))
+                   dense_wire_bytes=float(raw.get("dense_wire_bytes", 0.0)),
+                   nan_steps_skipped=int(raw.get("nan_steps_skipped", 0)))
 
 
 @dataclass(frozen=True)
@@ -201,7 +204,8 @@ class Trainer:
             raise ValueError(f"batch_split has {len(self.split.per_rank)} ranks, the run {topology.world_size}")
         self.base_split = self.split  # the configured split; a batch-size schedule multiplies it
         self.seed = config.reproducibility.experiment_seed
-        self.faults = FaultInjector(config.debug, topology.rank)
+        self.faults = FaultInjector(config.debug, topology.rank, record_path=self.run_dir / "logs" / FAULTS_FILE,
+                                    restart_count=topology.restart_count)
         seed_everything(self.seed)  # identical initial weights on every rank
         self.context = TrialContext(
             hparams=config.hyperparameters, rank=topology.rank, world_size=topology.world_size,
@@ -297,7 +301,12 @@ class Trainer:
         if payload is None:
             return False
         step, model_state, state = payload
-        self.model.load_state_dict(model_state)
+        try:
+            self.model.load_state_dict(model_state)
+        except RuntimeError as exc:
+            raise CheckpointError(f"checkpoint step-{step} in {root} does not fit this Trial's model ("
+                                  f"{' '.join(str(exc).split())[:300]}); resume with the model it was written "
+                                  "for, or give a new --run-dir") from None
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
@@ -330,10 +339,14 @@ class Trainer:
         self.metrics.status("running")
         self._announce(resumed)
         try:
-            self._loop(resumed)
+            with GracefulStop() as stop:
+                self.guard = UpdateGuard(self.config.nan_policy, self.config.max_consecutive_nan_skips, stop,
+                                         skipped=self.state.nan_steps_skipped)
+                self._loop(resumed)
         finally:
             self.progress.close()
         summary = self._summary()
+        summary["replicas_identical"] = self._check_replicas()
         if chief:
             write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
             self.metrics.status(self.status, summary)
@@ -373,9 +386,11 @@ class Trainer:
             self._validate(0, timeline_start)
         batches = self._training_batches(state.steps_completed)
         window_start = state.steps_completed  # the batch after which the current optimizer update began
+        window: dict[str, float] = {}  # training metrics of the batches of the current update
         while state.steps_completed < s.total_batches:
             step_start = time.perf_counter()
             step = state.steps_completed + 1
+            self.faults.before_step(step)
             loss_scale = self._enter_phase(s.plan.phase_at(step - 1), step - 1)
             boundary = s.plan.is_boundary(step) or step == s.total_batches
             batch = move_to_device(next(batches), self.topology.device, self.channels_last)
@@ -387,18 +402,30 @@ class Trainer:
                 loss = self._loss(outputs)
                 (loss * loss_scale if loss_scale != 1.0 else loss).backward()
             self.faults.after_compute(time.perf_counter() - compute_start)
+            size = self.split.per_rank[self.topology.rank]
+            for name, value in outputs.items():
+                window[name] = window.get(name, 0.0) + _scalar(name, value, "train_batch()") * size
+            window["__records"] = window.get("__records", 0.0) + size
+            interrupted = False
             if boundary:
-                lr = self._set_learning_rate(window_start)
-                self.strategy.step(self.optimizer)
+                self.faults.corrupt_gradients(step, self.model)
+                verdict = self.guard.decide(step, self.model.parameters())
+                if verdict.apply:
+                    lr = self._set_learning_rate(window_start)
+                    self.strategy.step(self.optimizer)
+                    self._log_update(step, lr, timeline_start, self._count_wire())
+                    for name, total in window.items():
+                        sums[name] = sums.get(name, 0.0) + total
+                else:
+                    state.nan_steps_skipped = self.guard.skipped
+                    self._count_wire()  # the gradients crossed the wire before the verdict
+                    self._note_skip(step, verdict.nonfinite_ranks)
+                window = {}
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.scheduler is not None:
                     self.scheduler.step()
-                self._log_update(step, lr, timeline_start, self._count_wire())
                 window_start = step
-            size = self.split.per_rank[self.topology.rank]
-            for name, value in outputs.items():
-                sums[name] = sums.get(name, 0.0) + _scalar(name, value, "train_batch()") * size
-            sums["__records"] = sums.get("__records", 0.0) + size
+                interrupted = verdict.stop
             state.steps_completed = step
             state.samples_trained += self.split.global_batch_size
             train_time += time.perf_counter() - step_start
@@ -412,12 +439,18 @@ class Trainer:
             if s.validation_due(step) or last:
                 metric = self._validate(step, timeline_start)
                 validated = True
-            stopping = boundary and stop_after is not None and step >= stop_after and not last
+            stopping = boundary and not last and (interrupted or (stop_after is not None and step >= stop_after))
             if boundary and (self._checkpoint_due(step, validated, last) or stopping):
                 state.wall_seconds = time.perf_counter() - timeline_start
                 state.training_seconds = train_time
                 self._checkpoint(step, metric if validated else None)
             self.progress.pause_clock(time.perf_counter() - aside)
+            if stopping and interrupted:
+                self.status = "interrupted"
+                received = self.guard.stop.received
+                self.progress.note(f"{received.name if received else 'a signal'}: stopped after batch {step} with a "
+                                   "checkpoint; run the same command again to resume")
+                break
             if stopping:
                 self.status = "stopped"
                 self.progress.note(f"stopped after batch {step} as debug.stop_after_batch asks; run the same "
@@ -537,6 +570,22 @@ class Trainer:
 
     # --------------------------------------------------------------------------- metrics and validation
 
+    def _check_replicas(self) -> bool:
+        """Every rank must end with the same weights (a skipped update, a restart or a bug that broke that
+        would otherwise go unnoticed); one digest per rank, compared on all."""
+        digests = all_gather_object(model_digest(self.strategy.unwrap_model()))
+        if len(set(digests)) > 1:
+            groups = ", ".join(f"rank {rank}: {digest[:12]}" for rank, digest in enumerate(digests))
+            raise SyncError(f"the model replicas differ at the end of training ({groups}); a rank applied an update "
+                            "the others did not - please report this with the run's logs")
+        return True
+
+    def _note_skip(self, step: int, ranks: tuple[int, ...]) -> None:
+        if self.topology.is_chief:
+            log.warning("batch %d: non-finite gradient on rank %s; the update was skipped on every rank (%d in a "
+                        "row, %d in all; nan_policy skip allows %d in a row)", step, ", ".join(map(str, ranks)),
+                        self.guard.in_a_row, self.guard.skipped, self.guard.max_consecutive)
+
     def _report_training(self, step: int, sums: dict[str, float], timeline_start: float, train_time: float) -> None:
         reduced = all_reduce_sums(sums)
         records = reduced.pop("__records", 0.0)
@@ -546,8 +595,7 @@ class Trainer:
             raise TrainingDiverged(
                 f"training diverged: the mean training {' and '.join(broken)} up to batch {step} is not finite "
                 f"(learning rate {self.optimizer.param_groups[0]['lr']:.4g}, global batch "
-                f"{self.split.global_batch_size}); lower the rate (large_batch.base_lr or the Trial's), warm it up "
-                "(large_batch.warmup_epochs) or use large_batch.optimizer lars or lamb")
+                f"{self.split.global_batch_size}); {RECIPE_ADVICE}")
         values["samples_per_second"] = self.state.samples_trained / train_time if train_time > 0 else 0.0
         if self.topology.is_chief:
             self.metrics.training(step, self.schedule.epoch_of(step), time.perf_counter() - timeline_start, values)
@@ -641,7 +689,8 @@ class Trainer:
         root = self.run_dir / "checkpoints"
         ref = ckpt.write_checkpoint(root, step, self.strategy.unwrap_model().state_dict(), state,
                                     extra_meta={"world_size": self.topology.world_size,
-                                                "epoch": self.schedule.epoch_of(step)})
+                                                "epoch": self.schedule.epoch_of(step)},
+                                    after_model_file=lambda: self.faults.during_checkpoint(step))
         self._latest_checkpoint = ref
         ckpt.prune_checkpoints(root, self.config.checkpoint_storage.save_trial_latest, self._best_steps())
         log.info("checkpoint %s written in %.2f s", ref.path, time.perf_counter() - started)
@@ -677,6 +726,7 @@ class Trainer:
             "checkpoint": str(ref.model_path) if ref is not None else None,
             "restarts": self.topology.restart_count,
             "resumes": state.resumes,
+            "nan_steps_skipped": state.nan_steps_skipped,
             "tensorboard": str(self.run_dir / "tensorboard"),
             "strategy": self.strategy.describe(),
             "communication": self._communication_summary(),

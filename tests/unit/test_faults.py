@@ -1,13 +1,21 @@
-"""Fault injection: the straggler delay and the config rules around it."""
+"""Fault injection (straggler, kills, NaNs), the nan_policy guard and the graceful stop, in one process."""
 
 from __future__ import annotations
 
+import os
+import signal
+from pathlib import Path
+
 import pytest
+import torch
 
 from dtrain.config import Debug, load_config
-from dtrain.errors import ConfigError
+from dtrain.errors import ConfigError, TrainingDiverged
+from dtrain.train import checkpoint as ckpt
 from dtrain.train import faults
+from dtrain.train import guard as guard_module
 from dtrain.train.faults import FaultInjector
+from dtrain.train.guard import GracefulStop, UpdateGuard, Verdict, gradients_finite
 
 
 def test_straggler_sleeps_factor_minus_one_times_its_last_compute(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -35,3 +43,137 @@ def test_slow_rank_outside_the_world_is_one_clear_error() -> None:
         load_config(None, raw={"entrypoint": "m:T", "hyperparameters": {"global_batch_size": 8},
                                "resources": {"slots_per_trial": 2}, "searcher": {"max_length": {"batches": 1}},
                                "debug": {"slow_rank": 2, "slow_factor": 2}})
+
+
+def _kills(*kills: dict[str, object]) -> Debug:
+    return Debug.model_validate({"kills": list(kills)})
+
+
+def test_a_kill_fires_once_per_run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    killed: list[tuple[int, int]] = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    record = tmp_path / "logs" / faults.FAULTS_FILE
+    debug = _kills({"rank": 1, "batch": 3}, {"rank": 0, "batch": 3})
+    injector = FaultInjector(debug, rank=1, record_path=record, restart_count=0)
+    injector.before_step(2)
+    assert killed == []
+    injector.before_step(3)
+    assert killed == [(os.getpid(), signal.SIGKILL)]
+    [fired] = faults.read_fault_records(record)
+    assert fired | {"time": 0} == {"event": "kill", "index": 0, "rank": 1, "batch": 3, "during": "step",
+                                   "steps_done": 2, "restart": 0, "time": 0}
+    restarted = FaultInjector(debug, rank=1, record_path=record, restart_count=1)
+    restarted.before_step(3)  # the restarted rank passes batch 3 again: the kill is not repeated
+    assert len(killed) == 1
+
+
+def test_a_checkpoint_kill_hits_the_first_write_at_or_after_its_batch(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    killed: list[int] = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: killed.append(sig))
+    injector = FaultInjector(_kills({"rank": 0, "batch": 15, "during": "checkpoint"}), rank=0,
+                             record_path=tmp_path / "faults.jsonl")
+    injector.before_step(15)
+    injector.during_checkpoint(10)
+    assert killed == []
+    injector.during_checkpoint(20)
+    assert killed == [signal.SIGKILL]
+    assert faults.read_fault_records(tmp_path / "faults.jsonl")[0]["steps_done"] == 20
+
+
+def test_a_kill_in_a_checkpoint_write_leaves_latest_at_the_previous_one(tmp_path: Path) -> None:
+    def die() -> None:
+        raise SystemExit("killed")  # stands in for SIGKILL: the write stops between the files
+
+    ckpt.write_checkpoint(tmp_path, 1, {"w": torch.zeros(2)}, {"trainer": {}})
+    with pytest.raises(SystemExit):
+        ckpt.write_checkpoint(tmp_path, 2, {"w": torch.ones(2)}, {"trainer": {}}, after_model_file=die)
+    assert ckpt.find_resume_checkpoint(tmp_path) == ckpt.CheckpointRef(tmp_path / "step-1", 1)
+    [partial] = [p for p in tmp_path.iterdir() if p.name.startswith(".partial-step-2")]
+    assert sorted(f.name for f in partial.iterdir()) == [ckpt.MODEL_FILE]
+
+
+def test_nan_goes_into_one_gradient_of_the_named_rank_at_the_named_batches() -> None:
+    model = torch.nn.Linear(3, 2)
+    model(torch.ones(1, 3)).sum().backward()
+    injector = FaultInjector(Debug(nan_rank=1, nan_batches=[4]), rank=1)
+    assert not injector.corrupt_gradients(3, model)
+    assert not FaultInjector(Debug(nan_rank=1, nan_batches=[4]), rank=0).corrupt_gradients(4, model)
+    assert injector.corrupt_gradients(4, model)
+    assert not gradients_finite(model.parameters())
+
+
+@pytest.mark.parametrize(("debug", "message"), [
+    ({"kills": [{"rank": 1, "batch": 5, "during": "checkpoint"}]}, "hits the checkpoint writer, rank 0"),
+    ({"kills": [{"rank": 2, "batch": 5}]}, r"debug.kills\[0\].rank \(2\) must name a worker rank"),
+    ({"nan_rank": 1}, "debug.nan_rank and debug.nan_batches go together"),
+    ({"nan_rank": 3, "nan_batches": [1]}, r"debug.nan_rank \(3\) must name a worker rank"),
+    ({"kills": [{"rank": 0, "batch": 0}]}, r"debug.kills.0.batch` = 0 must be >= 1"),
+    ({"kills": [{"rank": 0, "batch": 5, "during": "save"}]}, "must be one of step, checkpoint"),
+])
+def test_bad_fault_settings_are_one_clear_error(debug: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, raw={"entrypoint": "m:T", "hyperparameters": {"global_batch_size": 8},
+                               "resources": {"slots_per_trial": 2}, "searcher": {"max_length": {"batches": 1}},
+                               "debug": debug})
+
+
+# ------------------------------------------------------------------------------- nan_policy and stops
+
+
+def _params(*values: float) -> list[torch.nn.Parameter]:
+    parameter = torch.nn.Parameter(torch.zeros(len(values)))
+    parameter.grad = torch.tensor(values)
+    return [parameter]
+
+
+def test_gradients_finite_tells_nan_and_inf_from_large_values() -> None:
+    assert gradients_finite(_params(1e38, -1e38))  # a 2-norm would overflow here; the max-norm does not
+    assert not gradients_finite(_params(1.0, float("nan")))
+    assert not gradients_finite(_params(float("-inf"), 0.0))
+    assert gradients_finite([torch.nn.Parameter(torch.zeros(2))])  # no gradient at all
+
+
+def test_skip_counts_and_stops_after_the_limit_in_a_row() -> None:
+    guard = UpdateGuard("skip", max_consecutive=2, stop=GracefulStop())
+    assert guard.decide(1, _params(float("nan"))) == Verdict(apply=False, stop=False, nonfinite_ranks=(0,))
+    assert guard.decide(2, _params(float("nan"))).apply is False
+    assert guard.decide(3, _params(1.0)).apply is True  # a good update resets the run of skips
+    assert guard.decide(4, _params(float("nan"))).apply is False
+    assert guard.decide(5, _params(float("inf"))).apply is False
+    with pytest.raises(TrainingDiverged, match=r"batch 6: .* rank 0 .* 3 updates in a row, more than "
+                                               r"max_consecutive_nan_skips \(2\)"):
+        guard.decide(6, _params(float("nan")))
+    assert guard.skipped == 5
+
+
+def test_abort_stops_at_the_first_nonfinite_gradient() -> None:
+    guard = UpdateGuard("abort", max_consecutive=5, stop=GracefulStop())
+    assert guard.decide(1, _params(0.5)) == Verdict(apply=True, stop=False)
+    with pytest.raises(TrainingDiverged, match=r"batch 2: the gradient on rank 0 is not finite .*nan_policy abort"):
+        guard.decide(2, _params(float("nan")))
+
+
+def test_a_signal_becomes_a_stop_request_and_a_late_second_one_interrupts(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr(guard_module.time, "monotonic", lambda: clock[0])
+    with GracefulStop() as stop:
+        guard = UpdateGuard("abort", max_consecutive=1, stop=stop)
+        assert guard.decide(1, _params(0.0)).stop is False
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.received == signal.SIGTERM
+        assert guard.decide(2, _params(0.0)) == Verdict(apply=True, stop=True)
+        os.kill(os.getpid(), signal.SIGINT)  # a duplicate within a second is the same request
+        clock[0] += 5
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_config_nan_policy_is_checked_and_resumable() -> None:
+    from dtrain.train.rundir import RESUMABLE_CHANGES
+
+    with pytest.raises(ConfigError, match="`nan_policy` = 'skipp' must be one of abort, skip; did you mean `skip`"):
+        load_config(None, raw={"entrypoint": "m:T", "hyperparameters": {"global_batch_size": 8},
+                               "searcher": {"max_length": {"batches": 1}}, "nan_policy": "skipp"})
+    assert {"nan_policy", "max_consecutive_nan_skips"} <= set(RESUMABLE_CHANGES)

@@ -1,0 +1,119 @@
+"""Decisions every rank must take together at each optimizer update: apply it or skip it (non-finite
+gradients, `nan_policy`), and stop or go on (a SIGINT/SIGTERM that reached any rank).
+
+Both come from one small all-reduce of per-rank flags before the optimizer step, so a NaN that only one
+rank sees (after the gradients were synchronized) or a signal that reached one rank first still leads
+every rank to the same choice, and the replicas never drift apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import signal
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import FrameType, TracebackType
+from typing import Any
+
+import torch
+
+from dtrain.comm import rank_flags
+from dtrain.errors import TrainingDiverged
+
+RECIPE_ADVICE = ("lower the learning rate (large_batch.base_lr or the Trial's), warm it up (large_batch.warmup_epochs) "
+                 "or use large_batch.optimizer lars or lamb")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What all ranks do with this update."""
+
+    apply: bool
+    stop: bool
+    nonfinite_ranks: tuple[int, ...] = ()
+
+
+def gradients_finite(parameters: Iterable[torch.nn.Parameter]) -> bool:
+    """True when no gradient holds a NaN or an infinity (max-norm, so large finite values never overflow)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return True
+    return bool(math.isfinite(float(torch.nn.utils.get_total_norm(grads, norm_type=math.inf))))
+
+
+def model_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of every parameter and buffer, in state_dict order (equal on ranks that hold the same weights)."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class GracefulStop:
+    """While active, SIGINT and SIGTERM only ask the loop to stop at the next update (after a checkpoint);
+    a second signal, a second or more later, interrupts at once (KeyboardInterrupt)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: signal.Signals | None = None
+        self._first_at = 0.0
+        self._previous: dict[signal.Signals, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.received is not None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received, self._first_at = signal.Signals(signum), time.monotonic()
+        elif time.monotonic() - self._first_at > 1.0:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+class UpdateGuard:
+    """Applies `nan_policy` (abort | skip, at most `max_consecutive` skips in a row) and the stop request."""
+
+    def __init__(self, policy: str, max_consecutive: int, stop: GracefulStop, skipped: int = 0) -> None:
+        self.policy = policy
+        self.max_consecutive = max_consecutive
+        self.stop = stop
+        self.skipped = skipped  # updates skipped in the whole run (carried by checkpoints)
+        self.in_a_row = 0
+
+    def decide(self, step: int, parameters: Iterable[torch.nn.Parameter]) -> Verdict:
+        """The same verdict on every rank for the update after batch `step` (one collective)."""
+        flags = rank_flags([not gradients_finite(parameters), self.stop.requested])
+        bad = tuple(rank for rank, (nonfinite, _) in enumerate(flags) if nonfinite)
+        stop = any(requested for _, requested in flags)
+        if not bad:
+            self.in_a_row = 0
+            return Verdict(apply=True, stop=stop)
+        where = f"batch {step}: the gradient on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} is " \
+                "not finite (NaN or infinity)"
+        if self.policy == "abort":
+            raise TrainingDiverged(f"training diverged: {where}; the update was not applied (nan_policy abort) and "
+                                   f"training up to the latest checkpoint is kept; {RECIPE_ADVICE}, or set nan_policy: "
+                                   "skip to skip such updates")
+        self.in_a_row += 1
+        self.skipped += 1
+        if self.in_a_row > self.max_consecutive:
+            raise TrainingDiverged(f"training diverged: {where}, {self.in_a_row} updates in a row, more than "
+                                   f"max_consecutive_nan_skips ({self.max_consecutive}); training up to the latest "
+                                   f"checkpoint is kept; {RECIPE_ADVICE}, or check the data of these batches")
+        return Verdict(apply=False, stop=stop, nonfinite_ranks=bad)
