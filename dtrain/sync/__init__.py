@@ -6,8 +6,9 @@ from dtrain.comm import Topology
 from dtrain.config import ExperimentConfig
 from dtrain.sync.allreduce import AllReduceStrategy
 from dtrain.sync.base import SyncStrategy
+from dtrain.sync.parameter_server import ParameterServerStrategy
 
-__all__ = ["AllReduceStrategy", "SyncStrategy", "build_strategy"]
+__all__ = ["AllReduceStrategy", "ParameterServerStrategy", "SyncStrategy", "build_strategy"]
 
 
 def build_strategy(config: ExperimentConfig, topology: Topology) -> SyncStrategy:
@@ -18,4 +19,7 @@ def build_strategy(config: ExperimentConfig, topology: Topology) -> SyncStrategy
                                  bucket_cap_mb=config.optimizations.tensor_fusion_threshold,
                                  auto_tune_fusion=config.optimizations.auto_tune_tensor_fusion,
                                  find_unused_parameters=config.distributed.find_unused_parameters)
+    if name == "parameter_server":
+        return ParameterServerStrategy(topology, config.distributed.parameter_server,
+                                       timeout_seconds=config.distributed.timeout_seconds)
     raise ValueError(f"strategy {name!r} is not built")  # check_buildable() refuses it before we get here

@@ -130,6 +130,15 @@ class AllReduceStrategy:
         if self.tuner is not None and not self.tuner.done:
             self._tune_step()
 
+    def steps_done(self, step: int) -> int:
+        return step  # every rank takes every step together
+
+    def consolidate(self, *, snapshot: bool = False) -> None:
+        """Replicas are identical after every step: nothing to do."""
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"bucket_cap_mb": self.bucket_cap_mb}
         if self.tuner is not None:
