@@ -16,6 +16,7 @@ import torch.distributed.rpc as rpc
 from dtrain.comm.topology import JOB_STORE, Topology
 
 _SCHEME = "dtrain-job"
+TRANSPORTS = ["uv"]  # TCP; TensorPipe's shared-memory transport makes every process linger ~10 s at exit
 _registered = False
 
 
@@ -42,7 +43,7 @@ def init_rpc_group(topology: Topology, *, timeout_seconds: float, threads: int =
         _registered = True
     name = server_name(topology.rank - topology.world_size) if topology.is_server else worker_name(topology.rank)
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"{_SCHEME}://", num_worker_threads=threads,
-                                              rpc_timeout=timeout_seconds)
+                                              rpc_timeout=timeout_seconds, _transports=TRANSPORTS, _channels=["basic"])
     with warnings.catch_warnings():  # the agent's own gloo group uses an API torch itself deprecates
         warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
         rpc.init_rpc(name, rank=topology.rank, world_size=topology.world_size + topology.servers,
