@@ -40,9 +40,9 @@ class NodeSpec:
             raise LaunchError(f"--node-rank {self.node_rank} must be in [0, {self.nnodes - 1}] for --nnodes "
                               f"{self.nnodes}")
         if world_size % self.nnodes:
-            raise LaunchError(f"the processes of a node (slots_per_trial, plus parameter servers: {world_size}) must be a multiple of --nnodes "
-                              f"({self.nnodes}) so that every node runs the same number of workers; set it to "
-                              f"{(world_size // self.nnodes + 1) * self.nnodes}")
+            raise LaunchError(f"resources.slots_per_trial (plus parameter servers: {world_size} processes) must be a "
+                              f"multiple of --nnodes ({self.nnodes}) so that every node runs the same number of "
+                              f"processes; make it {(world_size // self.nnodes + 1) * self.nnodes}")
         if self.nnodes > 1 and self.rdzv_endpoint is None and self.master_port is None:
             raise LaunchError("with --nnodes > 1 give the chief's --master-addr and --master-port (the same on "
                               "every node), or a shared --rdzv-endpoint HOST:PORT")

@@ -159,7 +159,8 @@ def _init_with_servers(launch: LaunchEnv, backend: str, timeout_seconds: float,
                           f"slots_per_trial + {servers} processes (dtrain run does; with torchrun or srun raise "
                           "--nproc-per-node / --ntasks)")
     chosen = choose_backend(backend)
-    device = torch.device("cuda", launch.local_rank) if chosen == "nccl" and launch.rank < workers else torch.device("cpu")
+    on_gpu = chosen == "nccl" and launch.rank < workers
+    device = torch.device("cuda", launch.local_rank) if on_gpu else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_seconds)

@@ -29,7 +29,7 @@ from dtrain.comm.rpc import init_rpc_group, server_name, shutdown_rpc_group
 from dtrain.config import ParameterServer
 from dtrain.errors import SyncError
 from dtrain.sync.ps_server import Reply, ShardServer, ShardSpec
-from dtrain.sync.ps_shards import Piece, TensorSize, shard_bytes, shard_by_bytes
+from dtrain.sync.ps_shards import Piece, TensorSize, shard_by_bytes, shard_bytes
 
 log = logging.getLogger(__name__)
 

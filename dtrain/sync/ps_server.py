@@ -116,7 +116,8 @@ class ShardServer:
                 members = [p for p, g in zip(self.params, spec.groups, strict=True) if g == index]
                 if members:
                     groups.append({**options, "params": members, "dtrain_group": index})
-            self.optimizer = spec.optimizer_class(groups)
+            build: Any = spec.optimizer_class  # subclasses take (params, **options)
+            self.optimizer = build(groups)
 
     def state_dict(self) -> dict[str, Any]:
         assert self.optimizer is not None and self.spec is not None
@@ -147,7 +148,8 @@ class ShardServer:
             self.stats.bytes_pulled += reply.params.numel() * reply.params.element_size()
             return reply
 
-    def push(self, worker: int, grad: torch.Tensor, pulled_version: int, options: list[dict[str, Any]]) -> Future[Reply]:
+    def push(self, worker: int, grad: torch.Tensor, pulled_version: int,
+             options: list[dict[str, Any]]) -> Future[Reply]:
         """Hand in `worker`'s gradient for this shard, computed on parameters of `pulled_version`; the future
         completes with the parameters the worker's next step starts from, when the mode lets it start."""
         arrival = time.perf_counter()

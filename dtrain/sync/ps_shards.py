@@ -49,7 +49,8 @@ def shard_by_bytes(tensors: list[TensorSize], servers: int, *, split_tensors: bo
         while start < tensor.numel:
             # elements of this tensor that end at or before the current server's cut
             room = cuts[server] - offset
-            stop = tensor.numel if room == float("inf") else min(tensor.numel, max(start, round(room / tensor.element_size)))
+            fits = tensor.numel if room == float("inf") else round(room / tensor.element_size)
+            stop = min(tensor.numel, max(start, fits))
             if stop > start:
                 shards[server].append(Piece(index, start, stop))
             if stop < tensor.numel:
