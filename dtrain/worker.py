@@ -141,9 +141,11 @@ def _serve(run_dir: Path, config: Any, topology: Any, config_dir: Path) -> int:
     from dtrain.sync.parameter_server import serve
     from dtrain.train.entrypoint import load_trial_class
 
-    _setup_logging(run_dir, topology.rank, name=f"server-{topology.rank - topology.world_size}")
     load_trial_class(config.entrypoint, config_dir)
-    serve(topology, config.distributed.parameter_server, timeout_seconds=config.distributed.timeout_seconds)
+    # the log goes into the run dir once the workers are in the RPC group: by then rank 0 has prepared the dir
+    name = f"server-{topology.rank - topology.world_size}"
+    serve(topology, config.distributed.parameter_server, timeout_seconds=config.distributed.timeout_seconds,
+          on_joined=lambda: _setup_logging(run_dir, topology.rank, name=name))
     return 0
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -38,11 +39,14 @@ log = logging.getLogger(__name__)
 _SERVER: list[ShardServer] = []
 
 
-def serve(topology: Topology, settings: ParameterServer, *, timeout_seconds: float) -> None:
-    """Run one server until every worker has left the RPC group."""
+def serve(topology: Topology, settings: ParameterServer, *, timeout_seconds: float,
+          on_joined: Callable[[], None] | None = None) -> None:
+    """Run one server until every worker has left the RPC group; `on_joined` runs once all have joined it."""
     _SERVER[:] = [ShardServer(workers=topology.world_size, mode=settings.mode, staleness=settings.staleness,
                               backup_workers=settings.backup_workers, staleness_lr=settings.staleness_lr)]
     name = init_rpc_group(topology, timeout_seconds=timeout_seconds)
+    if on_joined is not None:
+        on_joined()
     log.info("%s serving %d workers (mode %s)", name, topology.world_size, settings.mode)
     shutdown_rpc_group()
     log.info("%s done: %s", name, _SERVER[0].stats.to_dict() if _SERVER[0].ready else "never set up")

@@ -204,8 +204,9 @@ def test_data_error_in_a_worker_fails_fast_without_restarts(tmp_path: Path) -> N
 
 
 def test_parameter_server_run_stops_resumes_and_reports(tmp_path: Path) -> None:
-    """3 workers (one 3x slower) and 2 servers in ssp mode through `dtrain run`: stopped after batch 20 and resumed
-    (the servers' state comes back from the checkpoint), with the per-run figures in summary.json and the store."""
+    """3 workers (one 3x slower) and 2 servers in ssp mode: started by plain torchrun with 5 processes and stopped
+    after batch 20, resumed by `dtrain run` (the servers' state comes back from the checkpoint), with the per-run
+    figures in summary.json and the store."""
     from dtrain.train.store import RunStore
 
     run_dir, env = tmp_path / "ps", {"DTRAIN_RUNS_ROOT": str(tmp_path / "runs")}
@@ -213,8 +214,12 @@ def test_parameter_server_run_stops_resumes_and_reports(tmp_path: Path) -> None:
                 "--set", "distributed.parameter_server.mode=ssp", "--set", "distributed.parameter_server.staleness=2",
                 "--set", "resources.slots_per_trial=3", "--set", "hyperparameters.global_batch_size=48",
                 "--set", "debug.slow_rank=2", "--set", "debug.slow_factor=3", "--set", "scheduling_unit=10"]
-    stopped = dtrain("run", CONFIG, *settings, "--set", "debug.stop_after_batch=20", "--run-dir", run_dir, env=env)
-    assert stopped.returncode == 3, stopped.stderr
+    torchrun_env = {k: v for k, v in os.environ.items() if k != "DTRAIN_LAUNCHER"} | env
+    stopped = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "5",
+                              "-m", "dtrain.worker", str(CONFIG), *settings, "--set", "debug.stop_after_batch=20",
+                              "--run-dir", str(run_dir)], capture_output=True, text=True, env=torchrun_env, timeout=240)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-20"
     first = json.loads((run_dir / "summary.json").read_text())["strategy"]
     resumed = dtrain("run", CONFIG, *settings, "--run-dir", run_dir, env=env)
     assert resumed.returncode == 0, resumed.stderr
