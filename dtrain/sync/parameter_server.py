@@ -265,15 +265,23 @@ class ParameterServerStrategy:
         return torch.cat(parts).cpu()
 
     def _take(self, replies: dict[int, Reply]) -> None:
-        """Copy the servers' parameter shards into the model and note their counters."""
+        """Copy the servers' parameter shards into the model and note their counters. Pieces index a parameter's
+        elements in logical (row-major) order; a parameter stored otherwise (channels_last) is written back whole."""
+        flats: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for index, reply in replies.items():
                 offset = 0
                 for piece in self._shards[index]:
-                    target = self._piece(piece)
+                    if piece.param not in flats:
+                        flats[piece.param] = self._params[piece.param].detach().reshape(-1)
+                    target = flats[piece.param][piece.start:piece.stop]
                     target.copy_(reply.params[offset:offset + piece.numel].to(target.device))
                     offset += piece.numel
                 self._versions[index] = reply.version
+            for param_index, flat in flats.items():
+                param = self._params[param_index]
+                if not param.is_contiguous():  # reshape(-1) made a copy: write it back in the parameter's layout
+                    param.copy_(flat.view(param.shape))
         self._global_step = max(self._global_step, min(reply.global_step for reply in replies.values()))
 
     def _report_servers(self) -> dict[str, Any]:

@@ -18,8 +18,13 @@ LR, MOMENTUM, WEIGHT_DECAY = 0.1, 0.9, 1e-3
 
 
 def build_model() -> nn.Module:
+    """A convolution stored channels_last (its elements are not in row-major order) and two dense layers."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    model = nn.Sequential(nn.Unflatten(1, (2, 1, 3)), nn.Conv2d(2, 4, (1, 2)), nn.Flatten(), nn.Tanh(),
+                          nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    assert not model[1].weight.is_contiguous()
+    return model
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
