@@ -16,9 +16,6 @@ briefly with 1 and with 2 servers and shows the bytes each server receives and s
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,21 +49,14 @@ def run(overrides: list[str], run_dir: Path, epochs: float, validations_per_epoc
                 "min_checkpoint_period={batches: 0}", "checkpoint_policy=none", *overrides]
     if straggler:
         settings += [f"debug.slow_rank={SLOW_RANK}", f"debug.slow_factor={SLOW_FACTOR}"]
+    from common import dtrain_run
+
     began = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", str(CONFIG), "--run-dir", str(run_dir),
-                             *[arg for s in settings for arg in ("--set", s)]],
-                            capture_output=True, text=True, env={**os.environ, "DTRAIN_RUNS_ROOT": str(workdir)})
-    if result.returncode != 0:
-        raise RuntimeError(f"dtrain run failed ({' '.join(overrides)}): {result.stderr[-2000:]}")
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = dtrain_run(CONFIG, run_dir, settings, workdir)
     history = [{"step": e["step"], "accuracy": e["metrics"]["accuracy"], "wall_seconds": e["wall_seconds"]}
                for e in summary["validation_history"]]
     return {"final_accuracy": history[-1]["accuracy"], "training_wall_s": summary["wall_seconds"],
             "process_wall_s": time.perf_counter() - began, "history": history, "strategy": summary["strategy"]}
-
-
-def time_to(history: list[dict[str, Any]], target: float) -> float | None:
-    return next((float(e["wall_seconds"]) for e in history if e["accuracy"] >= target), None)
 
 
 def strategy_figures(strategy: dict[str, Any]) -> dict[str, Any]:
@@ -111,7 +101,7 @@ def main() -> None:
     parser.add_argument("--validations-per-epoch", type=int, default=6, help="default 6")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import alternate, machine_info, markdown_table, median, write_results
+    from common import alternate, machine_info, markdown_table, median, time_to, write_results
 
     epochs = args.epochs or (1.0 if args.quick else 3.0)
     target = args.target or (0.80 if args.quick else 0.88)
