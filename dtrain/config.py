@@ -365,11 +365,12 @@ class ExperimentConfig(_Section):
             raise ValueError(f"distributed.parameter_server.backup_workers ({ps.backup_workers}) must be below "
                              f"resources.slots_per_trial ({world}): each update needs at least one gradient; use "
                              f"0..{world - 1}")
-        if ps.mode != "sync" and (self.optimizations.aggregation_frequency > 1
-                                  or self.large_batch.batch_size_schedule is not None):
-            raise ValueError(f"distributed.parameter_server mode `{ps.mode}` lets workers run different numbers of "
-                             "batches, so optimizations.aggregation_frequency and large_batch.batch_size_schedule "
-                             "do not apply; remove them or use `mode: sync`")
+        if (ps.mode != "sync" or ps.backup_workers) and (self.optimizations.aggregation_frequency > 1
+                                                         or self.large_batch.batch_size_schedule is not None):
+            how = f"mode `{ps.mode}`" if ps.mode != "sync" else "backup_workers"
+            raise ValueError(f"distributed.parameter_server {how} lets workers run different numbers of batches, so "
+                             "optimizations.aggregation_frequency and large_batch.batch_size_schedule do not apply; "
+                             "remove them or use `mode: sync` without backup workers")
         return self
 
     @model_validator(mode="after")

@@ -178,6 +178,7 @@ BASE = {"entrypoint": "m:T", "hyperparameters": {"global_batch_size": 12}, "reso
     ({"backup_workers": 3}, {}, r"backup_workers \(3\) must be below resources.slots_per_trial \(3\)"),
     ({"mode": "async", "backup_workers": 1}, {}, "applies to mode `sync` only"),
     ({"mode": "ssp"}, {"optimizations": {"aggregation_frequency": 2}}, "do not apply; remove them"),
+    ({"backup_workers": 1}, {"optimizations": {"aggregation_frequency": 2}}, "backup_workers lets workers run"),
     ({"mode": "asink"}, {}, "did you mean `async`"),
     ({"server": 2}, {}, "did you mean `distributed.parameter_server.servers`"),
 ])
