@@ -4,8 +4,9 @@ Modes (seeds 001 and 003):
 - `sync`: an update waits for a gradient from every worker computed on the current parameters and applies their
   mean; with `backup_workers` b it applies the first W-b to arrive, and gradients arriving after their update
   are dropped (counted) - the straggler then continues from the current parameters (Chen et al. 2016).
-- `async`: each gradient is applied when it arrives; its staleness is the number of updates applied since the
-  worker pulled the parameters it was computed on.
+- `async`: each gradient is applied when it arrives, as its share (1/W) of a global batch's mean gradient, so that
+  W updates move the parameters as far as one synchronous update (one worker: plain SGD); its staleness is the
+  number of updates applied since the worker pulled the parameters it was computed on.
 - `ssp` (stale-synchronous, Ho et al. 2013): as async, but the reply that lets a worker start its next step is
   held while the worker's clock (its applied gradients) is more than `staleness` ahead of the slowest worker's.
 With `staleness_lr` a gradient of staleness t > 1 is applied with the rate divided by t (Zhang et al. 2016).
@@ -170,7 +171,7 @@ class ShardServer:
                         done += self._apply_round()
             else:
                 self.stats.staleness[staleness] += 1
-                self._apply(grad, options, staleness)
+                self._apply(grad / self.workers, options, staleness)  # its share of a global batch's mean
                 self.applied += 1
                 self.clocks[worker] += 1
                 if self.mode == "async":

@@ -92,11 +92,11 @@ def test_backup_workers_use_the_first_arrivals_and_drop_late_gradients() -> None
 
 
 def test_async_staleness_counts_updates_since_the_pull_and_staleness_lr_divides_the_rate() -> None:
-    server = make_server(2, mode="async", staleness_lr=True, lr=1.0)
-    server.push(0, torch.ones(3, dtype=torch.float64), 0, options(1.0)).wait()  # staleness 0: -1
-    server.push(0, torch.ones(3, dtype=torch.float64), 1, options(1.0)).wait()  # staleness 0: -1
-    reply = server.push(1, torch.ones(3, dtype=torch.float64), 0, options(1.0)).wait()  # staleness 2: -1/2
-    assert torch.allclose(reply.params, torch.full((3,), -2.5, dtype=torch.float64))
+    server = make_server(2, mode="async", staleness_lr=True, lr=1.0)  # each gradient counts 1/2 (two workers)
+    server.push(0, torch.ones(3, dtype=torch.float64), 0, options(1.0)).wait()  # staleness 0: -1/2
+    server.push(0, torch.ones(3, dtype=torch.float64), 1, options(1.0)).wait()  # staleness 0: -1/2
+    reply = server.push(1, torch.ones(3, dtype=torch.float64), 0, options(1.0)).wait()  # staleness 2: -1/2 / 2
+    assert torch.allclose(reply.params, torch.full((3,), -1.25, dtype=torch.float64))
     assert server.stats.staleness == {0: 2, 2: 1}
     assert reply.global_step == 3 // 2
 
