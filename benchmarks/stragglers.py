@@ -112,7 +112,11 @@ def main() -> None:
         def runner(label: str, overrides: list[str]) -> Any:
             def go(repeat: int) -> dict[str, Any]:
                 name = label.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "").replace("=", "")
-                out = run(overrides, workdir / f"{name}-{repeat}", epochs, args.validations_per_epoch, workdir)
+                try:
+                    out = run(overrides, workdir / f"{name}-{repeat}", epochs, args.validations_per_epoch, workdir)
+                except RuntimeError as exc:  # e.g. training diverged: a result too, not a reason to lose the others
+                    return {"table": "stragglers", "time_to_target_s": None, "final_accuracy": float("nan"),
+                            "failed": str(exc).strip().splitlines()[-1][:300], "history": []}
                 return {"table": "stragglers", "time_to_target_s": time_to(out["history"], target),
                         "final_accuracy": out["final_accuracy"], "training_wall_s": out["training_wall_s"],
                         "process_wall_s": out["process_wall_s"], **strategy_figures(out["strategy"]),
@@ -157,7 +161,7 @@ def main() -> None:
         ["variant", "repeat", f"time to {pct} (s)", "final accuracy", "training wall (s)", "staleness mean / max",
          "dropped gradients", "worker wait (s, per worker)"],
         [[r["variant"], r["repeat"], r["time_to_target_s"] if r["time_to_target_s"] is not None else "not reached",
-          r["final_accuracy"], r["training_wall_s"],
+          r["final_accuracy"] if "failed" not in r else f"failed: {r['failed']}", r.get("training_wall_s", "-"),
           f"{r['staleness_mean']:.2f} / {r['staleness_max']}" if "staleness_mean" in r else "-",
           r.get("dropped_gradients", "-"),
           ", ".join(f"{w:.1f}" for w in r["worker_wait_s"]) if "worker_wait_s" in r else "-"] for r in rows])
