@@ -61,6 +61,25 @@ def save_figure(figure: Any, path: Path) -> None:
     plt.close(figure)
 
 
+def dtrain_run(config: Path, run_dir: Path, settings: Sequence[str], runs_root: Path) -> dict[str, Any]:
+    """`dtrain run CONFIG --set ...` in a subprocess (its store under `runs_root`); the run's summary.json."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", str(config), "--run-dir", str(run_dir),
+                             *[arg for setting in settings for arg in ("--set", setting)]],
+                            capture_output=True, text=True, env={**os.environ, "DTRAIN_RUNS_ROOT": str(runs_root)})
+    if result.returncode != 0:
+        raise RuntimeError(f"dtrain run failed ({' '.join(settings)}): {result.stderr[-2000:]}")
+    summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
+    return summary
+
+
+def time_to(history: Sequence[dict[str, Any]], target: float) -> float | None:
+    """Wall seconds of the first validation entry (`accuracy`, `wall_seconds`) at or above `target`."""
+    return next((float(e["wall_seconds"]) for e in history if e["accuracy"] >= target), None)
+
+
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 

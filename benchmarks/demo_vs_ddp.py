@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -102,26 +101,16 @@ def hand_written_worker(epochs: int, out: Path, checkpoint_dir: Path) -> None:
 # ------------------------------------------------------------------------------------ the two variants
 
 
-def time_to(history: list[dict[str, Any]], target: float) -> float | None:
-    for entry in history:
-        if entry["accuracy"] >= target:
-            return float(entry["wall_seconds"])
-    return None
-
-
 def run_dtrain(epochs: int, target: float, workdir: Path, repeat: int, memory_format: str | None = None
                ) -> dict[str, Any]:
     run_dir = workdir / f"dtrain-{memory_format or 'demo'}-{repeat}"
     began = time.perf_counter()
-    overrides = ["--set", f"searcher.max_length={{epochs: {epochs}}}"]
+    settings = [f"searcher.max_length={{epochs: {epochs}}}"]
     if memory_format:
-        overrides += ["--set", f"optimizations.memory_format={memory_format}"]
-    result = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", str(CONFIG), "--run-dir", str(run_dir),
-                             *overrides],
-                            capture_output=True, text=True, env={**os.environ, "DTRAIN_RUNS_ROOT": str(workdir)})
-    if result.returncode != 0:
-        raise RuntimeError(f"dtrain run failed: {result.stderr[-2000:]}")
-    summary = json.loads((run_dir / "summary.json").read_text())
+        settings += [f"optimizations.memory_format={memory_format}"]
+    from common import dtrain_run, time_to
+
+    summary = dtrain_run(CONFIG, run_dir, settings, workdir)
     history = [{"epoch": e["epoch"], "accuracy": e["metrics"]["accuracy"], "wall_seconds": e["wall_seconds"]}
                for e in summary["validation_history"]]
     return {"time_to_target_s": time_to(history, target), "final_accuracy": history[-1]["accuracy"],
@@ -130,6 +119,8 @@ def run_dtrain(epochs: int, target: float, workdir: Path, repeat: int, memory_fo
 
 
 def run_hand_written(epochs: int, target: float, workdir: Path, repeat: int) -> dict[str, Any]:
+    from common import time_to
+
     out = workdir / f"hand-{repeat}.json"
     checkpoints = workdir / f"hand-{repeat}-ckpt"
     checkpoints.mkdir(parents=True, exist_ok=True)

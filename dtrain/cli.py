@@ -168,6 +168,11 @@ def _print_summary(run_dir: Path, experiment_id: int | None, summary: dict[str, 
 
 def _describe_sync(strategy: dict[str, Any]) -> str:
     """`allreduce, op average, buckets 1.6 MB (auto-tuned: 0.4 MB 79 ms/step, 1.6 MB 71 ms/step)`."""
+    if strategy.get("name") == "parameter_server":
+        text = (f"parameter_server, {strategy.get('servers')} server(s), mode {strategy.get('mode')}, staleness mean "
+                f"{strategy.get('staleness_mean', 0.0):.2f} max {strategy.get('staleness_max', 0)}, dropped gradients "
+                f"{strategy.get('dropped_gradients', 0)}")
+        return text
     text = f"{strategy.get('name')}, op {strategy.get('op')}"
     if "bucket_cap_mb" in strategy:
         text += f", buckets {strategy['bucket_cap_mb']:.3g} MB"

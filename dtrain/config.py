@@ -158,8 +158,27 @@ class Compression(_Section):
         return {key: getattr(self, key) for key in COMPRESSION_OPTIONS if getattr(self, key) is not None}
 
 
+class ParameterServer(_Section):
+    """`distributed.parameter_server`: server processes beside the workers, and how they apply gradients."""
+
+    servers: int = Field(default=1, ge=1, description="server processes; parameters are sharded over them by bytes")
+    mode: Literal["sync", "async", "ssp"] = "sync"
+    staleness: int = Field(default=4, ge=0, description="ssp: how many steps a worker may run ahead of the slowest")
+    backup_workers: int = Field(default=0, ge=0, description="sync: each update uses the first W-b gradients")
+    staleness_lr: bool = Field(default=False, description="divide the rate by each gradient's observed staleness")
+
+    @model_validator(mode="after")
+    def _backup_for_sync(self) -> ParameterServer:
+        if self.backup_workers and self.mode != "sync":
+            raise ValueError(f"distributed.parameter_server.backup_workers ({self.backup_workers}) applies to mode "
+                             f"`sync` only (mode `{self.mode}` never waits for all workers); remove it or set "
+                             "`mode: sync`")
+        return self
+
+
 class Distributed(_Section):
     strategy: Literal["allreduce", "parameter_server", "local_sgd", "hierarchical"] = "allreduce"
+    parameter_server: ParameterServer = Field(default_factory=ParameterServer)
     op: Literal["average", "sum", "adasum"] = "average"
     compression: Compression = Field(default_factory=Compression)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -447,6 +466,27 @@ class ExperimentConfig(_Section):
         return self.distributed.compression
 
     @model_validator(mode="after")
+    def _parameter_server_fits(self) -> ExperimentConfig:
+        if self.distributed.strategy != "parameter_server":
+            return self
+        if self.compression.name != "none" or self.distributed.op != "average":
+            raise ValueError(f"distributed.strategy parameter_server pushes full gradients and averages them; it "
+                             f"cannot use compression `{self.compression.name}` or op `{self.distributed.op}`; "
+                             "remove them or use distributed.strategy allreduce")
+        ps, world = self.distributed.parameter_server, self.resources.world_size
+        if ps.backup_workers >= world:
+            raise ValueError(f"distributed.parameter_server.backup_workers ({ps.backup_workers}) must be below "
+                             f"resources.slots_per_trial ({world}): each update needs at least one gradient; use "
+                             f"0..{world - 1}")
+        if (ps.mode != "sync" or ps.backup_workers) and (self.optimizations.aggregation_frequency > 1
+                                                         or self.large_batch.batch_size_schedule is not None):
+            how = f"mode `{ps.mode}`" if ps.mode != "sync" else "backup_workers"
+            raise ValueError(f"distributed.parameter_server {how} lets workers run different numbers of batches, so "
+                             "optimizations.aggregation_frequency and large_batch.batch_size_schedule do not apply; "
+                             "remove them or use `mode: sync` without backup workers")
+        return self
+
+    @model_validator(mode="after")
     def _large_batch_rate(self) -> ExperimentConfig:
         lb = self.large_batch
         if lb.optimizer == "trial" or lb.base_lr is not None:
@@ -729,7 +769,8 @@ def _example(loc: list[str]) -> str:
 
 # (dotted key, the value that works today) for settings whose other values belong to later work.
 _NOT_BUILT_YET: list[tuple[str, Any, str]] = [
-    ("distributed.strategy", "allreduce", "only the allreduce strategy is built so far"),
+    ("distributed.strategy", ("allreduce", "parameter_server"),
+     "only the allreduce and parameter_server strategies are built so far"),
     ("optimizations.mixed_precision", "O0", "mixed precision is not built yet"),
     ("searcher.name", "single", "hyperparameter search is not built yet; one trial runs per experiment"),
     ("profiling.enabled", False, "the profiler is not built yet"),
@@ -742,6 +783,8 @@ def check_buildable(config: ExperimentConfig) -> None:
         value: Any = config
         for part in dotted.split("."):
             value = getattr(value, part)
-        if value != working:
+        allowed = working if isinstance(working, tuple) else (working,)
+        if value not in allowed:
+            shown = " or ".join(repr(v) for v in allowed)
             raise ConfigError(f"`{dotted}` = {value!r}: {reason} (README, feature table); "
-                              f"remove it or set it to {working!r}")
+                              f"remove it or set it to {shown}")

@@ -43,9 +43,9 @@ class NodeSpec:
             raise LaunchError(f"--node-rank {self.node_rank} must be in [0, {self.nnodes - 1}] for --nnodes "
                               f"{self.nnodes}")
         if world_size % self.nnodes:
-            raise LaunchError(f"resources.slots_per_trial ({world_size}) must be a multiple of --nnodes "
-                              f"({self.nnodes}) so that every node runs the same number of workers; set it to "
-                              f"{(world_size // self.nnodes + 1) * self.nnodes}")
+            raise LaunchError(f"resources.slots_per_trial (plus parameter servers: {world_size} processes) must be a "
+                              f"multiple of --nnodes ({self.nnodes}) so that every node runs the same number of "
+                              f"processes; make it {(world_size // self.nnodes + 1) * self.nnodes}")
         if self.nnodes > 1 and self.rdzv_endpoint is None and self.master_port is None:
             raise LaunchError("with --nnodes > 1 give the chief's --master-addr and --master-port (the same on "
                               "every node), or a shared --rdzv-endpoint HOST:PORT")
@@ -78,6 +78,8 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     world = config.resources.world_size
+    if config.distributed.strategy == "parameter_server":  # the servers are the last ranks, beside the workers
+        world += config.distributed.parameter_server.servers
     node.validate(world)
     nproc = world // node.nnodes
     local = node.nnodes == 1 and node.rdzv_endpoint is None

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 FATAL_FILE = "fatal-error.json"
 FATAL_EXIT_CODE = 2
@@ -56,10 +57,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _setup_logging(run_dir: Path, rank: int) -> None:
+def _setup_logging(run_dir: Path, rank: int, name: str | None = None) -> None:
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    log_path = logs / f"rank-{rank}.log"
+    log_path = logs / f"{name or f'rank-{rank}'}.log"
     if rank != 0:  # everything a non-chief rank prints, C++ warnings included, goes to its file
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
@@ -108,7 +109,12 @@ def run_worker(args: argparse.Namespace) -> int:
     config = loaded.config
     check_buildable(config)
     torch.set_num_threads(_threads_per_worker())
-    topology = init_distributed(backend=config.distributed.backend, timeout_seconds=config.distributed.timeout_seconds)
+    servers = config.distributed.parameter_server.servers if config.distributed.strategy == "parameter_server" else 0
+    topology = init_distributed(backend=config.distributed.backend, timeout_seconds=config.distributed.timeout_seconds,
+                                servers=servers)
+    if topology.is_server:
+        config_dir = loaded.base_dir if args.config is not None else load_run_info(run_dir).config_dir
+        return _serve(run_dir, config, topology, config_dir)
     if args.config is not None:
         if launch.local_rank == 0:
             prepare_run_dir(config, run_dir, loaded.base_dir, register=launch.node_rank == 0)
@@ -140,6 +146,20 @@ def _lost_a_peer(exc: BaseException) -> bool:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return text.split("] ", 1)[-1][:160]
+
+
+def _serve(run_dir: Path, config: Any, topology: Any, config_dir: Path) -> int:
+    """A parameter-server process: serve the workers until they leave. The Trial's module is imported first, so
+    that an optimizer class defined there can be built on the server."""
+    from dtrain.sync.parameter_server import serve
+    from dtrain.train.entrypoint import load_trial_class
+
+    load_trial_class(config.entrypoint, config_dir)
+    # the log goes into the run dir once the workers are in the RPC group: by then rank 0 has prepared the dir
+    name = f"server-{topology.rank - topology.world_size}"
+    serve(topology, config.distributed.parameter_server, timeout_seconds=config.distributed.timeout_seconds,
+          on_joined=lambda: _setup_logging(run_dir, topology.rank, name=name))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,6 +89,12 @@ class Topology:
     device: torch.device
     launcher: str
     restart_count: int = 0
+    servers: int = 0  # parameter-server processes beside the workers (ranks world_size .. world_size+servers-1)
+
+    @property
+    def is_server(self) -> bool:
+        """True in a parameter-server process: it is outside the workers' process group."""
+        return self.rank >= self.world_size
 
     @property
     def num_nodes(self) -> int:
@@ -113,9 +119,15 @@ def choose_backend(requested: str) -> str:
 
 
 def init_distributed(*, backend: str = "auto", timeout_seconds: float = 600.0,
-                     environ: Mapping[str, str] | None = None) -> Topology:
-    """Create the default process group from the launcher's environment and describe this process."""
+                     environ: Mapping[str, str] | None = None, servers: int = 0) -> Topology:
+    """Create the default process group from the launcher's environment and describe this process.
+
+    With `servers` > 0 the launcher started that many parameter-server processes beside the workers: the
+    last `servers` ranks. The default group then holds the workers only, and every process keeps the
+    job's store for the RPC group that joins workers and servers (`dtrain.comm.rpc`)."""
     launch = read_launch_env(environ)
+    if servers:
+        return _init_with_servers(launch, backend, timeout_seconds, environ, servers)
     chosen = choose_backend(backend)
     device = torch.device("cuda", launch.local_rank) if chosen == "nccl" else torch.device("cpu")
     if chosen == "nccl":
@@ -136,6 +148,44 @@ def init_distributed(*, backend: str = "auto", timeout_seconds: float = 600.0,
     return Topology(rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank,
                     local_world_size=launch.local_world_size, node_rank=launch.node_rank, backend=chosen,
                     device=device, launcher=launch.launcher, restart_count=launch.restart_count)
+
+
+def _init_with_servers(launch: LaunchEnv, backend: str, timeout_seconds: float,
+                       environ: Mapping[str, str] | None, servers: int) -> Topology:
+    workers = launch.world_size - servers
+    if workers < 1:
+        raise LaunchError(f"the parameter-server strategy needs {servers} server process(es) besides at least one "
+                          f"worker, but the launcher started {launch.world_size} process(es) in all; start "
+                          f"slots_per_trial + {servers} processes (dtrain run does; with torchrun or srun raise "
+                          "--nproc-per-node / --ntasks)")
+    chosen = choose_backend(backend)
+    on_gpu = chosen == "nccl" and launch.rank < workers
+    device = torch.device("cuda", launch.local_rank) if on_gpu else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=timeout_seconds)
+    if chosen == "gloo" and launch.master_addr in LOOPBACK_HOSTS:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if launch.master_addr in LOOPBACK_HOSTS:
+        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")  # the RPC agent's transport, on loopback as well
+    if launch.launcher == "slurm":
+        os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size), LOCAL_RANK=str(launch.local_rank))
+    if _owns_loopback_store(launch, environ):
+        store: dist.Store = _loopback_store(launch, timeout)
+    else:
+        store, _, _ = next(dist.rendezvous("env://", rank=launch.rank, world_size=launch.world_size, timeout=timeout))
+    JOB_STORE.clear()
+    JOB_STORE.append(store)
+    if launch.rank < workers and not dist.is_initialized():
+        dist.init_process_group(chosen, store=dist.PrefixStore("workers", store), rank=launch.rank,
+                                world_size=workers, timeout=timeout)
+    return Topology(rank=launch.rank, world_size=workers, local_rank=launch.local_rank,
+                    local_world_size=launch.local_world_size, node_rank=launch.node_rank, backend=chosen,
+                    device=device, launcher=launch.launcher, restart_count=launch.restart_count, servers=servers)
+
+
+# The store of a job with parameter servers (all processes), kept for the RPC group.
+JOB_STORE: list[dist.Store] = []
 
 
 def _owns_loopback_store(launch: LaunchEnv, environ: Mapping[str, str] | None) -> bool:

@@ -28,6 +28,8 @@ class LAMB(torch.optim.Optimizer):
     AdamW's.
     """
 
+    needs_whole_tensors = True  # a trust ratio per tensor: parameter servers must not split tensors
+
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.01, bias_correction: bool = True,
                  max_grad_norm: float | None = None, max_trust_ratio: float | None = None,

@@ -27,6 +27,8 @@ class LARS(torch.optim.Optimizer):
     ResNet); `adapt=False` turns the trust ratio off everywhere, which leaves SGD with momentum.
     """
 
+    needs_whole_tensors = True  # a trust ratio per tensor: parameter servers must not split tensors
+
     def __init__(self, params: Iterable[Any], lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
                  trust_coefficient: float = 0.001, exclude_bias_and_norm: bool = True, adapt: bool = True) -> None:
         if lr < 0 or momentum < 0 or weight_decay < 0 or trust_coefficient <= 0:

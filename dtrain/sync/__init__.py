@@ -7,8 +7,9 @@ from dtrain.compress import build_compressor
 from dtrain.config import ExperimentConfig
 from dtrain.sync.allreduce import AllReduceStrategy
 from dtrain.sync.base import SyncStrategy
+from dtrain.sync.parameter_server import ParameterServerStrategy
 
-__all__ = ["AllReduceStrategy", "SyncStrategy", "build_strategy"]
+__all__ = ["AllReduceStrategy", "ParameterServerStrategy", "SyncStrategy", "build_strategy"]
 
 
 def build_strategy(config: ExperimentConfig, topology: Topology) -> SyncStrategy:
@@ -21,4 +22,7 @@ def build_strategy(config: ExperimentConfig, topology: Topology) -> SyncStrategy
                                  auto_tune_fusion=config.optimizations.auto_tune_tensor_fusion,
                                  find_unused_parameters=config.distributed.find_unused_parameters,
                                  compressor=build_compressor(config.compression.name, **config.compression.options()))
+    if name == "parameter_server":
+        return ParameterServerStrategy(topology, config.distributed.parameter_server,
+                                       timeout_seconds=config.distributed.timeout_seconds)
     raise ValueError(f"strategy {name!r} is not built")  # check_buildable() refuses it before we get here

@@ -73,6 +73,7 @@ class AllReduceStrategy:
     model runs unwrapped (nothing to synchronize)."""
 
     name = "allreduce"
+    lockstep = True  # every rank takes every step together
 
     def __init__(self, topology: Topology, *, op: Op = "average", bucket_cap_mb: float = 25.0,
                  first_bucket_mb: float = 1.0,
@@ -141,6 +142,15 @@ class AllReduceStrategy:
     def take_wire_stats(self) -> WireStats | None:
         """Bytes this rank sent since the last call (None with one process: nothing is sent)."""
         return self.compressor.wire.take() if self._replica is not None else None
+
+    def steps_done(self, step: int) -> int:
+        return step  # every rank takes every step together
+
+    def consolidate(self, *, snapshot: bool = False) -> None:
+        """Replicas are identical after every step: nothing to do."""
+
+    def metrics(self) -> dict[str, float]:
+        return {}
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"bucket_cap_mb": self.bucket_cap_mb, "compressor": self.compressor.state_dict()}

@@ -26,6 +26,7 @@ class SyncStrategy(Protocol):
     """How gradients or parameters are made consistent across ranks."""
 
     name: str
+    lockstep: bool  # every rank takes every step together (per-step collectives outside the strategy are safe)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Return the module the Trainer runs forward and backward on (it may be the model itself)."""
@@ -46,6 +47,22 @@ class SyncStrategy(Protocol):
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Apply one update after the communicating backward pass (gradients are synchronized by then)."""
+        ...
+
+    def steps_done(self, step: int) -> int:
+        """Global batches trained once this rank's batch number `step` is done: `step` itself for strategies whose
+        ranks move in lockstep; strategies whose ranks may run ahead of others (asynchronous parameter servers)
+        report their own count, which the Trainer follows between its meeting points."""
+        ...
+
+    def consolidate(self, *, snapshot: bool = False) -> None:
+        """Called by every rank together before validation and checkpoints: bring this rank's model to the
+        parameters every rank shares (a no-op where replicas never differ); with `snapshot`, capture the state
+        that `state_dict()` returns for the checkpoint."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """Scalars for the run store and TensorBoard at each training report (rank 0); may be empty."""
         ...
 
     def state_dict(self) -> dict[str, Any]:

@@ -89,17 +89,24 @@ class GracefulStop:
 class UpdateGuard:
     """Applies `nan_policy` (abort | skip, at most `max_consecutive` skips in a row) and the stop request."""
 
-    def __init__(self, policy: str, max_consecutive: int, stop: GracefulStop, skipped: int = 0) -> None:
+    def __init__(self, policy: str, max_consecutive: int, stop: GracefulStop, skipped: int = 0,
+                 collective: bool = True, rank: int = 0) -> None:
         self.policy = policy
+        self.rank = rank
+        self.collective = collective  # False where ranks do not move in lockstep (asynchronous parameter servers)
         self.max_consecutive = max_consecutive
         self.stop = stop
         self.skipped = skipped  # updates skipped in the whole run (carried by checkpoints)
         self.in_a_row = 0
 
     def decide(self, step: int, parameters: Iterable[torch.nn.Parameter]) -> Verdict:
-        """The same verdict on every rank for the update after batch `step` (one collective)."""
-        flags = rank_flags([not gradients_finite(parameters), self.stop.requested])
-        bad = tuple(rank for rank, (nonfinite, _) in enumerate(flags) if nonfinite)
+        """The same verdict on every rank for the update after batch `step` (one collective). Where ranks do not
+        move in lockstep a collective per update would pair different batches, so each rank decides for its own
+        gradient; a stop request then waits for the next meeting point (report, validation, checkpoint)."""
+        mine = [not gradients_finite(parameters), self.stop.requested]
+        flags = rank_flags(mine) if self.collective else [mine]
+        ranks = range(len(flags)) if self.collective else [self.rank]
+        bad = tuple(rank for rank, (nonfinite, _) in zip(ranks, flags, strict=True) if nonfinite)
         stop = any(requested for _, requested in flags)
         if not bad:
             self.in_a_row = 0

@@ -341,7 +341,8 @@ class Trainer:
         try:
             with GracefulStop() as stop:
                 self.guard = UpdateGuard(self.config.nan_policy, self.config.max_consecutive_nan_skips, stop,
-                                         skipped=self.state.nan_steps_skipped)
+                                         skipped=self.state.nan_steps_skipped,
+                                         collective=self.strategy.lockstep, rank=self.topology.rank)
                 self._loop(resumed)
         finally:
             self.progress.close()
@@ -389,7 +390,8 @@ class Trainer:
         window: dict[str, float] = {}  # training metrics of the batches of the current update
         while state.steps_completed < s.total_batches:
             step_start = time.perf_counter()
-            step = state.steps_completed + 1
+            previous = state.steps_completed
+            step = previous + 1
             self.faults.before_step(step)
             loss_scale = self._enter_phase(s.plan.phase_at(step - 1), step - 1)
             boundary = s.plan.is_boundary(step) or step == s.total_batches
@@ -410,10 +412,11 @@ class Trainer:
             if boundary:
                 self.faults.corrupt_gradients(step, self.model)
                 verdict = self.guard.decide(step, self.model.parameters())
+                wire = None
                 if verdict.apply:
                     lr = self._set_learning_rate(window_start)
                     self.strategy.step(self.optimizer)
-                    self._log_update(step, lr, timeline_start, self._count_wire())
+                    wire = self._count_wire()
                     for name, total in window.items():
                         sums[name] = sums.get(name, 0.0) + total
                 else:
@@ -422,13 +425,20 @@ class Trainer:
                     self._note_skip(step, verdict.nonfinite_ranks)
                 window = {}
                 self.optimizer.zero_grad(set_to_none=True)
+                step = self._reached(previous, step)
                 if self.scheduler is not None:
-                    self.scheduler.step()
+                    for _ in range(step - previous):  # one step per global batch trained
+                        self.scheduler.step()
+                if verdict.apply and step > previous:
+                    self._log_update(step, lr, timeline_start, wire)
                 window_start = step
-                interrupted = verdict.stop
+                # ranks out of lockstep stop together only at a meeting point (they decide on their own)
+                interrupted = verdict.stop and (self.guard.collective or step == self._next_meeting(previous))
             state.steps_completed = step
-            state.samples_trained += self.split.global_batch_size
+            state.samples_trained += self.split.global_batch_size * (step - previous)
             train_time += time.perf_counter() - step_start
+            if step == previous:
+                continue  # the parameter servers have not completed another global batch yet
             self.progress.update(step, s.epoch_of(step), float(loss.detach()))
             last = step == s.total_batches
             if step % self.config.scheduling_unit == 0 or last:
@@ -437,10 +447,12 @@ class Trainer:
             aside = time.perf_counter()
             validated = False
             if s.validation_due(step) or last:
+                self.strategy.consolidate()
                 metric = self._validate(step, timeline_start)
                 validated = True
             stopping = boundary and not last and (interrupted or (stop_after is not None and step >= stop_after))
             if boundary and (self._checkpoint_due(step, validated, last) or stopping):
+                self.strategy.consolidate(snapshot=True)
                 state.wall_seconds = time.perf_counter() - timeline_start
                 state.training_seconds = train_time
                 self._checkpoint(step, metric if validated else None)
@@ -460,6 +472,23 @@ class Trainer:
         state.training_seconds = train_time
         if self.status == "running":
             self.status = "completed"
+
+    def _reached(self, previous: int, step: int) -> int:
+        """The batch number this rank has reached after its update for batch `step`: `step` itself when ranks move
+        in lockstep; otherwise the strategy's count of global batches trained, but never beyond the next meeting
+        point (report, validation, checkpoint, stop, end), which every rank must visit in the same order."""
+        return max(previous, min(self.strategy.steps_done(step), self._next_meeting(previous)))
+
+    def _next_meeting(self, previous: int) -> int:
+        s = self.schedule
+        meetings = [s.total_batches]
+        for every in (self.config.scheduling_unit, s.validation_every, s.checkpoint_every):
+            if every:
+                meetings.append((previous // every + 1) * every)
+        stop = self.config.debug.stop_after_batch
+        if stop is not None and stop > previous:
+            meetings.append(stop)
+        return min(meetings)
 
     # ------------------------------------------------------------------ batch-size phases and the rate
 
@@ -598,6 +627,7 @@ class Trainer:
                 f"{self.split.global_batch_size}); {RECIPE_ADVICE}")
         values["samples_per_second"] = self.state.samples_trained / train_time if train_time > 0 else 0.0
         if self.topology.is_chief:
+            values.update(self.strategy.metrics())
             self.metrics.training(step, self.schedule.epoch_of(step), time.perf_counter() - timeline_start, values)
             self.metrics.flush()
 

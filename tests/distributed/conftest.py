@@ -3,7 +3,8 @@
 `spawn(fn, world_size, *args)` starts `world_size` processes, initialises torch.distributed in each
 through dtrain.comm (as torchrun would, via RANK/WORLD_SIZE/MASTER_* variables), calls
 `fn(topology, *args)` and returns the results in rank order; an exception in any rank fails the test
-with that rank's traceback.
+with that rank's traceback. With `servers=S` it starts S more processes, the parameter servers, as the
+launcher does (the last ranks; `fn` runs there too and sees `topology.is_server`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
-           results: Any, env: dict[str, str]) -> None:
+           results: Any, env: dict[str, str], servers: int) -> None:
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -37,7 +38,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
         torch.set_num_threads(1)
         from dtrain.comm import init_distributed, shutdown_distributed
 
-        topology = init_distributed(backend="gloo", timeout_seconds=120)
+        topology = init_distributed(backend="gloo", timeout_seconds=120, servers=servers)
         value = fn(topology, *args)
         shutdown_distributed()
         results.put((rank, True, pickle.dumps(value)))  # plain bytes: no shared-memory handles
@@ -47,11 +48,13 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
 
 
 def run_spawned(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
-                env: dict[str, str] | None = None) -> list[Any]:
+                env: dict[str, str] | None = None, servers: int = 0) -> list[Any]:
+    """Results in rank order: the `world_size` workers', then the servers'."""
     context = mp.get_context("spawn")
     results = context.Queue()
     port = _free_port()
-    processes = [context.Process(target=_entry, args=(rank, world_size, port, fn, args, results, env or {}))
+    world_size += servers
+    processes = [context.Process(target=_entry, args=(rank, world_size, port, fn, args, results, env or {}, servers))
                  for rank in range(world_size)]
     for process in processes:
         process.start()

@@ -201,3 +201,44 @@ def test_data_error_in_a_worker_fails_fast_without_restarts(tmp_path: Path) -> N
     assert "Traceback" not in result.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed"
+
+
+def test_parameter_server_run_stops_resumes_and_reports(tmp_path: Path) -> None:
+    """3 workers (one 3x slower) and 2 servers in ssp mode: started by plain torchrun with 5 processes and stopped
+    after batch 20, resumed by `dtrain run` (the servers' state comes back from the checkpoint), with the per-run
+    figures in summary.json and the store."""
+    from dtrain.train.store import RunStore
+
+    run_dir, env = tmp_path / "ps", {"DTRAIN_RUNS_ROOT": str(tmp_path / "runs")}
+    settings = ["--set", "distributed.strategy=parameter_server", "--set", "distributed.parameter_server.servers=2",
+                "--set", "distributed.parameter_server.mode=ssp", "--set", "distributed.parameter_server.staleness=2",
+                "--set", "resources.slots_per_trial=3", "--set", "hyperparameters.global_batch_size=48",
+                "--set", "debug.slow_rank=2", "--set", "debug.slow_factor=3", "--set", "scheduling_unit=10"]
+    torchrun_env = {k: v for k, v in os.environ.items() if k != "DTRAIN_LAUNCHER"} | env
+    stopped = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "5",
+                              "-m", "dtrain.worker", str(CONFIG), *settings, "--set", "debug.stop_after_batch=20",
+                              "--run-dir", str(run_dir)], capture_output=True, text=True, env=torchrun_env, timeout=240)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-20"
+    first = json.loads((run_dir / "summary.json").read_text())["strategy"]
+    resumed = dtrain("run", CONFIG, *settings, "--run-dir", run_dir, env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert sorted(p.name for p in (run_dir / "logs").glob("server-*.log")) == ["server-0.log", "server-1.log"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 3 and summary["resumes"] == 1
+    assert summary["validation"]["accuracy"] > 0.6
+    strategy = summary["strategy"]
+    assert strategy["name"] == "parameter_server" and strategy["mode"] == "ssp"
+    assert strategy["shard_bytes"][0] == strategy["shard_bytes"][1]
+    servers = strategy["per_server"]
+    # the resumed servers continued the counters: every gradient of both launches is in the histogram
+    assert sum(strategy["staleness_histogram"].values()) == sum(s["pushes"] for s in servers)
+    assert all(s["pushes"] > sum(p["pushes"] for p in first["per_server"]) / 2 for s in servers)
+    assert all(s["max_clock_gap"] <= 2 and s["global_step"] >= 40 for s in servers)
+    assert all(s["bytes_pushed_per_step"] > 0 and s["bytes_pulled_per_step"] > 0 for s in servers)
+    assert len(strategy["held_seconds_per_worker"]) == 3
+    store = RunStore(tmp_path / "runs" / "metrics.db")
+    series = store.metric_series(1, "training")
+    store.close()
+    assert {"ps_staleness_mean", "ps_worker_wait_seconds", "ps0_bytes_pushed_per_step",
+            "ps1_bytes_pulled_per_step"} <= set(series)
