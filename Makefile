@@ -54,6 +54,8 @@ bench: setup
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/sync_vs_ddp.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/large_batch.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/plan_validation.py
+	flock /tmp/dtrain-bench.lock $(PY) benchmarks/compression.py
+	flock /tmp/dtrain-bench.lock $(PY) benchmarks/stragglers.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/chaos.py
 
 lint: setup
