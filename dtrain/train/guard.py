@@ -45,9 +45,11 @@ def gradients_finite(parameters: Iterable[torch.nn.Parameter]) -> bool:
 
 
 def model_digest(model: torch.nn.Module) -> str:
-    """SHA-256 of every parameter and buffer, in state_dict order (equal on ranks that hold the same weights)."""
+    """SHA-256 of every parameter, in model order (equal on ranks that hold the same weights). Buffers are left
+    out: batch-norm running statistics are each rank's own between DDP's broadcasts at every forward pass (the
+    last training forward updates them from each rank's own batch), and checkpoints hold rank 0's."""
     digest = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
+    for name, tensor in model.named_parameters():
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

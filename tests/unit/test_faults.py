@@ -177,3 +177,20 @@ def test_config_nan_policy_is_checked_and_resumable() -> None:
         load_config(None, raw={"entrypoint": "m:T", "hyperparameters": {"global_batch_size": 8},
                                "searcher": {"max_length": {"batches": 1}}, "nan_policy": "skipp"})
     assert {"nan_policy", "max_consecutive_nan_skips"} <= set(RESUMABLE_CHANGES)
+
+
+def test_replica_digest_covers_parameters_not_batch_norm_statistics() -> None:
+    import torch
+
+    from dtrain.train.guard import model_digest
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+
+    a, b = model(), model()
+    b.train()(torch.randn(8, 4))  # another rank's last forward: its running statistics differ
+    assert model_digest(a) == model_digest(b)
+    with torch.no_grad():
+        b[0].weight[0, 0] += 1e-6  # a weight that differs is caught
+    assert model_digest(a) != model_digest(b)
