@@ -101,9 +101,13 @@ def run_one(recipe: Recipe, batch: int, epochs: int, warmup_epochs: float, workd
     env = {k: v for k, v in os.environ.items() if k != "DTRAIN_LAUNCHER"}
     env["DTRAIN_RUNS_ROOT"] = str(workdir / "runs")
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", str(CONFIG), "--run-dir", str(run_dir),
-                             *overrides(recipe, batch, epochs, warmup_epochs)],
-                            capture_output=True, text=True, env=env)
+    summary_path = run_dir / "summary.json"
+    if summary_path.exists() and json.loads(summary_path.read_text()).get("status") == "completed":
+        result = subprocess.CompletedProcess([], 0, "", "")  # finished in an earlier call with this --workdir
+    else:
+        result = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", str(CONFIG), "--run-dir", str(run_dir),
+                                 *overrides(recipe, batch, epochs, warmup_epochs)],
+                                capture_output=True, text=True, env=env)
     row: dict[str, Any] = {"recipe": recipe.key, "label": recipe.label, "batch": batch, "epochs": epochs,
                            "optimizer": recipe.optimizer, "base_lr": recipe.base_lr, "lr_scaling": recipe.lr_scaling,
                            "warmup_epochs": warmup_epochs if recipe.warmup else 0.0,
@@ -249,7 +253,7 @@ def main() -> None:
     parser.add_argument("--recipes", type=lambda s: s.split(","),
                         help=f"comma-separated subset of: {', '.join(r.key for r in RECIPES)}")
     parser.add_argument("--name", help="result file name (default large_batch, or large_batch_quick)")
-    parser.add_argument("--workdir", type=Path, help="keep the run dirs here (default: a temporary dir)")
+    parser.add_argument("--workdir", type=Path, help="keep the run dirs here; runs completed there by an earlier call are reused (default: a temporary dir)")
     args = parser.parse_args()
 
     from common import RESULTS, machine_info, write_results
