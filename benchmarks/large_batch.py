@@ -253,7 +253,9 @@ def main() -> None:
     parser.add_argument("--recipes", type=lambda s: s.split(","),
                         help=f"comma-separated subset of: {', '.join(r.key for r in RECIPES)}")
     parser.add_argument("--name", help="result file name (default large_batch, or large_batch_quick)")
-    parser.add_argument("--workdir", type=Path, help="keep the run dirs here; runs completed there by an earlier call are reused (default: a temporary dir)")
+    parser.add_argument("--workdir", type=Path,
+                        help="keep the run dirs here; runs completed there by an earlier call are reused "
+                             "(default: a temporary dir)")
     args = parser.parse_args()
 
     from common import RESULTS, machine_info, write_results
