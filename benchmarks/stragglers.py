@@ -88,8 +88,9 @@ def plot(rows: list[dict[str, Any]], target: float, path: Path) -> None:
     ax.set_title(f"Fashion-MNIST, {WORKERS} workers, rank {SLOW_RANK} {SLOW_FACTOR}x slower")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from common import save_figure
+
+    save_figure(fig, path)  # also closes the figure
 
 
 def main() -> None:
