@@ -10,9 +10,9 @@ examples/synthetic_mlp (3.7 M parameters,
 
 Configurations: 1 and 2 workers; plain loopback, and a loopback shaped by benchmarks/netem.py to 10 and 1
 Gbit/s; with and without fp16 compression; aggregation_frequency 1 and 4. Runs without compression go through
-`dtrain run` (summary.json's samples_per_second); dtrain has no compressors yet (issue 4), so the fp16 runs use
-a plain DDP loop in this file with PyTorch's `fp16_compress_hook`, plus one uncompressed DDP run as a
-cross-check of the two harnesses. Shaped runs need root; without it they are skipped with the reason.
+`dtrain run` (summary.json's samples_per_second). The fp16 runs use a plain DDP loop in this file with PyTorch's
+`fp16_compress_hook` (written before dtrain had compressors; it keeps the fp16 cases independent of dtrain's
+hook), plus one uncompressed DDP run as a cross-check of the two harnesses. Shaped runs need root; without it they are skipped with the reason.
 
 Part 2, published results: `dtrain.plan.published` (Goyal et al., Horovod, the DDP paper), pure arithmetic.
 
@@ -366,7 +366,7 @@ def main() -> None:
                 steps = steps_for(guess.step_s, seconds, config.aggregation)
                 load_before = load_average()
                 run = run_dtrain if config.harness == "dtrain" else run_ddp
-                measured = run(config, steps, prefixes[config.network], Path(tmp), f"{repeat}-{len(rows)}")
+                measured = run(config, steps, prefixes[config.network], Path(tmp), f"{repeat}-{len(measured_round)}")
                 measured_round.append((config, compute, measured, steps, load_before))
             # each run's compute is a one-second snapshot of a shared machine: predict every run of the round from
             # the median of the round's snapshots with the same number of workers
