@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dtrain-setup
 DATA_DIR := /usr/share/datasets/fashion-mnist
 
-.PHONY: setup data demo test test-unit test-distributed bench lint clean
+.PHONY: setup data demo test test-unit test-distributed test-faults bench lint clean
 
 setup: $(STAMP) data
 
@@ -38,12 +38,16 @@ demo: setup
 test: setup
 	$(PY) -m pytest tests/unit -q
 	$(PY) -m pytest tests/distributed -q
+	$(PY) -m pytest tests/faults -q
 
 test-unit: setup
 	$(PY) -m pytest tests/unit -q
 
 test-distributed: setup
 	$(PY) -m pytest tests/distributed -q
+
+test-faults: setup
+	$(PY) -m pytest tests/faults -q
 
 bench: setup
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/demo_vs_ddp.py

@@ -114,7 +114,10 @@ class Distributed(_Section):
     op: Literal["average", "sum", "adasum"] = "average"
     compression: Compression = Field(default_factory=Compression)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    timeout_seconds: float = Field(default=600.0, gt=0, description="collective timeout before an error")
+    timeout_seconds: float = Field(default=600.0, gt=0, description="collective timeout: a collective that waits "
+                                   "this long becomes an error naming the ranks that did not arrive")
+    stall_warning_seconds: float = Field(default=60.0, gt=0, description="log which ranks have not arrived "
+                                         "(and what each is doing) when a rank waits this long")
     find_unused_parameters: bool = False
 
 
@@ -257,10 +260,22 @@ class DataLoaderConfig(_Section):
 
 
 class Profiling(_Section):
+    """Step-phase timers are always on (`phase_timers`); `enabled` also writes a Chrome-trace timeline per rank
+    for the batches from `begin_on_batch` to `end_after_batch`."""
+
     enabled: bool = False
     begin_on_batch: int = Field(default=0, ge=0)
     end_after_batch: int | None = Field(default=None, ge=0)
     sync_timings: bool = True
+    phase_timers: bool = Field(default=True, description="time the phases of every step (data, forward, "
+                               "backward, communication wait, optimizer, checkpoint) on every rank")
+
+    @model_validator(mode="after")
+    def _window(self) -> Profiling:
+        if self.end_after_batch is not None and self.end_after_batch < self.begin_on_batch:
+            raise ValueError(f"profiling.end_after_batch ({self.end_after_batch}) must be >= begin_on_batch "
+                             f"({self.begin_on_batch}); raise it or leave it out to profile to the end")
+        return self
 
 
 class Debug(_Section):
@@ -270,6 +285,10 @@ class Debug(_Section):
                                   description="make this rank a straggler (see slow_factor)")
     slow_factor: float = Field(default=1.0, ge=1.0,
                                description="the straggler's forward + backward take this many times as long")
+    hang_rank: int | None = Field(default=None, ge=0, description="make this rank hang (see hang_at_step)")
+    hang_at_step: int = Field(default=1, ge=1, description="the batch before whose forward pass hang_rank hangs")
+    synthetic_data: bool = Field(default=False, description="train on random data of the Trial's shapes "
+                                 "(what `dtrain diagnose` uses to measure the input pipeline)")
 
 
 class ExperimentConfig(_Section):
@@ -331,10 +350,11 @@ class ExperimentConfig(_Section):
     @model_validator(mode="after")
     def _debug_ranks(self) -> ExperimentConfig:
         world = self.resources.world_size
-        rank = self.debug.slow_rank
-        if rank is not None and rank >= world:
-            raise ValueError(f"debug.slow_rank ({rank}) must name a worker rank below resources.slots_per_trial "
-                             f"({world}); use 0..{world - 1}")
+        for key in ("slow_rank", "hang_rank"):
+            rank = getattr(self.debug, key)
+            if rank is not None and rank >= world:
+                raise ValueError(f"debug.{key} ({rank}) must name a worker rank below resources.slots_per_trial "
+                                 f"({world}); use 0..{world - 1}")
         return self
 
     @model_validator(mode="after")
@@ -625,7 +645,6 @@ _NOT_BUILT_YET: list[tuple[str, Any, str]] = [
     ("optimizations.gradient_compression", False, "gradient compression is not built yet"),
     ("optimizations.mixed_precision", "O0", "mixed precision is not built yet"),
     ("searcher.name", "single", "hyperparameter search is not built yet; one trial runs per experiment"),
-    ("profiling.enabled", False, "the profiler is not built yet"),
 ]
 
 

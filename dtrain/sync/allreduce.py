@@ -25,7 +25,16 @@ from torch.nn.parallel import DistributedDataParallel
 from dtrain.comm import Topology
 from dtrain.errors import SyncError
 from dtrain.sync.fusion import BYTES_PER_MB, FusionTuner, candidate_bucket_sizes
-from dtrain.sync.hooks import Compressor, HookState, NoCompression, Op, combine_bucket
+from dtrain.sync.hooks import (
+    BucketObserver,
+    Compressor,
+    HookState,
+    NoCompression,
+    ObservedHookState,
+    Op,
+    combine_bucket,
+    observed_combine_bucket,
+)
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +98,7 @@ class AllReduceStrategy:
         self._model: nn.Module | None = None
         self._replica: Replica | None = None
         self._last_step_end: float | None = None
+        self._observer: BucketObserver | None = None
 
     # ------------------------------------------------------------------------------------ protocol
 
@@ -156,6 +166,11 @@ class AllReduceStrategy:
     def close(self) -> None:
         self._replica = None
 
+    def observe_buckets(self, observer: BucketObserver) -> None:
+        """Report each gradient bucket's ready and done times to `observer` (the profiler); call before
+        wrap_model. The buckets then go through dtrain's comm hook even for a plain average."""
+        self._observer = observer
+
     # ------------------------------------------------------------------------------------- internals
 
     def _build_ddp(self, model: nn.Module, *, init_sync: bool) -> DistributedDataParallel:
@@ -165,7 +180,10 @@ class AllReduceStrategy:
                                       find_unused_parameters=self.find_unused_parameters,
                                       gradient_as_bucket_view=True, batched_grad_copy=True, init_sync=init_sync)
         compressor = self.compressor or NoCompression()
-        if self.op != "average" or not isinstance(compressor, NoCompression):
+        if self._observer is not None:
+            ddp.register_comm_hook(ObservedHookState(HookState(self.op, compressor=compressor), self._observer),
+                                   observed_combine_bucket)
+        elif self.op != "average" or not isinstance(compressor, NoCompression):
             ddp.register_comm_hook(HookState(self.op, compressor=compressor), combine_bucket)
         return ddp
 
