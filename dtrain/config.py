@@ -657,3 +657,8 @@ def check_buildable(config: ExperimentConfig) -> None:
         if value != working:
             raise ConfigError(f"`{dotted}` = {value!r}: {reason} (README, feature table); "
                               f"remove it or set it to {working!r}")
+
+
+def is_built(dotted: str, value: Any) -> bool:
+    """False when `check_buildable` would refuse `value` for the key `dotted` (its feature is not built yet)."""
+    return not any(key == dotted and value != working for key, working, _ in _NOT_BUILT_YET)

@@ -400,7 +400,7 @@ class Trainer:
                     with self.profiler.phase("backward"):
                         with nullcontext() if boundary else self.strategy.no_sync():
                             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
-                    self.faults.after_compute(time.perf_counter() - compute_start)
+                    compute_seconds = time.perf_counter() - compute_start
                     if boundary:
                         with self.profiler.phase("optimizer"):
                             lr = self._set_learning_rate(window_start)
@@ -408,6 +408,7 @@ class Trainer:
                             self.optimizer.zero_grad(set_to_none=True)
                             if self.scheduler is not None:
                                 self.scheduler.step()
+                        with self.profiler.phase("report"):
                             self._log_update(step, lr, timeline_start)
                         window_start = step
                     for name, value in outputs.items():
@@ -437,6 +438,9 @@ class Trainer:
                     self.progress.pause_clock(time.perf_counter() - aside)
             except RuntimeError as exc:
                 raise self._collective_failure(exc) from None
+            records = self.profiler.timer.records
+            exposed = records[-1].phases.get("comm_wait", 0.0) if records and records[-1].step == step else 0.0
+            self.faults.after_compute(compute_seconds - exposed)  # the straggler's own compute, without waiting
             if stopping:
                 self.status = "stopped"
                 self.progress.note(f"stopped after batch {step} as debug.stop_after_batch asks; run the same "
