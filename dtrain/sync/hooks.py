@@ -12,7 +12,7 @@ are counted on the compressor (`compressor.wire`).
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at registration as real objects.
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -126,3 +126,32 @@ def combine_bucket(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
         return buffer
 
     return run_round(first, state.group).then(finish)
+
+
+class BucketObserver(Protocol):
+    """Told when a gradient bucket is ready for communication and when its collective finished (the profiler's
+    bucket clock): `bucket_ready` returns a slot that `bucket_done` gets back."""
+
+    def bucket_ready(self, index: int) -> int: ...
+
+    def bucket_done(self, slot: int) -> None: ...
+
+
+@dataclass
+class ObservedHookState:
+    """A hook state plus the observer that times each bucket's communication."""
+
+    inner: HookState
+    observer: BucketObserver
+
+
+def observed_combine_bucket(state: ObservedHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """`combine_bucket`, with the bucket's ready and done times reported to the observer."""
+    slot = state.observer.bucket_ready(bucket.index())
+    future = combine_bucket(state.inner, bucket)
+
+    def done(finished: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        state.observer.bucket_done(slot)
+        return finished.value()
+
+    return future.then(done)
