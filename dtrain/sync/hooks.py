@@ -84,11 +84,11 @@ def _unpack(packed: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor
     return parts
 
 
-def raise_failures(collected: torch.futures.Future[list[torch.futures.Future[Any]]]) -> None:
-    """Raise the first error among the futures `collect_all` gathered: its own future succeeds even when one
-    of them failed (a timed-out or broken collective), and an unreduced gradient must not pass for a reduced one."""
-    for future in collected.value():
-        future.value()
+def values_or_raise(collected: torch.futures.Future[list[torch.futures.Future[Any]]]) -> list[Any]:
+    """The values of the futures `collect_all` gathered, raising the first error among them: its own future
+    succeeds even when one of them failed (a timed-out or broken collective), and an unreduced gradient must
+    not pass for a reduced one."""
+    return [future.value() for future in collected.value()]
 
 
 def run_round(round_: Round, group: dist.ProcessGroup | None) -> torch.futures.Future[Any]:
@@ -98,7 +98,12 @@ def run_round(round_: Round, group: dist.ProcessGroup | None) -> torch.futures.F
     if round_.collective == "all_reduce":
         works = [dist.all_reduce(p, group=group, async_op=True) for p in payloads if p.numel()]
         futures = [work.get_future() for work in works if work is not None]
-        return torch.futures.collect_all(futures).then(lambda collected: raise_failures(collected) or payloads)
+
+        def reduced(collected: torch.futures.Future[list[torch.futures.Future[Any]]]) -> list[torch.Tensor]:
+            values_or_raise(collected)
+            return payloads
+
+        return torch.futures.collect_all(futures).then(reduced)  # type: ignore[arg-type]
     packed = _pack(payloads)
     gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
     work = dist.all_gather(gathered, packed, group=group, async_op=True)

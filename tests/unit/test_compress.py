@@ -250,16 +250,16 @@ def test_op_sum_is_world_times_average(name: str) -> None:
 
 
 def test_a_failed_collective_fails_the_round_instead_of_passing_unreduced_payloads() -> None:
-    from dtrain.sync.hooks import raise_failures
+    from dtrain.sync.hooks import values_or_raise
 
     ok: torch.futures.Future[int] = torch.futures.Future()
     failed: torch.futures.Future[int] = torch.futures.Future()
-    chained = torch.futures.collect_all([ok, failed]).then(lambda collected: raise_failures(collected) or "reduced")
+    chained = torch.futures.collect_all([ok, failed]).then(values_or_raise)
     ok.set_result(1)
     failed.set_exception(RuntimeError("Application timeout caused pair closure"))
     with pytest.raises(RuntimeError, match="pair closure"):
         chained.wait()
     fine: torch.futures.Future[int] = torch.futures.Future()
-    passed = torch.futures.collect_all([fine]).then(lambda collected: raise_failures(collected) or "reduced")
+    passed = torch.futures.collect_all([fine]).then(values_or_raise)
     fine.set_result(2)
-    assert passed.wait() == "reduced"
+    assert passed.wait() == [2]
