@@ -72,7 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     from dtrain.plan.command import add_plan_parser
 
     plan = add_plan_parser(commands)
-    _SUBPARSERS.update(run=run, experiments=experiments, plan=plan)
+    from dtrain.profile.command import add_diagnose_parser
+
+    diagnose = add_diagnose_parser(commands)
+    _SUBPARSERS.update(run=run, experiments=experiments, plan=plan, diagnose=diagnose)
     return parser
 
 

@@ -182,7 +182,10 @@ class Distributed(_Section):
     op: Literal["average", "sum", "adasum"] = "average"
     compression: Compression = Field(default_factory=Compression)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    timeout_seconds: float = Field(default=600.0, gt=0, description="collective timeout before an error")
+    timeout_seconds: float = Field(default=600.0, gt=0, description="collective timeout: a collective that waits "
+                                   "this long becomes an error naming the ranks that did not arrive")
+    stall_warning_seconds: float = Field(default=60.0, gt=0, description="log which ranks have not arrived "
+                                         "(and what each is doing) when a rank waits this long")
     find_unused_parameters: bool = False
 
 
@@ -325,10 +328,22 @@ class DataLoaderConfig(_Section):
 
 
 class Profiling(_Section):
+    """Step-phase timers are always on (`phase_timers`); `enabled` also writes a Chrome-trace timeline per rank
+    for the batches from `begin_on_batch` to `end_after_batch`."""
+
     enabled: bool = False
     begin_on_batch: int = Field(default=0, ge=0)
     end_after_batch: int | None = Field(default=None, ge=0)
     sync_timings: bool = True
+    phase_timers: bool = Field(default=True, description="time the phases of every step (data, forward, "
+                               "backward, communication wait, optimizer, checkpoint) on every rank")
+
+    @model_validator(mode="after")
+    def _window(self) -> Profiling:
+        if self.end_after_batch is not None and self.end_after_batch < self.begin_on_batch:
+            raise ValueError(f"profiling.end_after_batch ({self.end_after_batch}) must be >= begin_on_batch "
+                             f"({self.begin_on_batch}); raise it or leave it out to profile to the end")
+        return self
 
 
 class Kill(_Section):
@@ -358,6 +373,10 @@ class Debug(_Section):
     nan_rank: int | None = Field(default=None, ge=0, description="the rank whose gradient gets a NaN (nan_batches)")
     nan_batches: list[int] = Field(default_factory=list,
                                    description="batches after whose backward pass nan_rank's gradient gets a NaN")
+    hang_rank: int | None = Field(default=None, ge=0, description="make this rank hang (see hang_at_step)")
+    hang_at_step: int = Field(default=1, ge=1, description="the batch before whose forward pass hang_rank hangs")
+    synthetic_data: bool = Field(default=False, description="train on random data of the Trial's shapes "
+                                 "(what `dtrain diagnose` uses to measure the input pipeline)")
 
     @model_validator(mode="after")
     def _nan_pair(self) -> Debug:
@@ -370,7 +389,8 @@ class Debug(_Section):
 
     def ranks(self) -> dict[str, int]:
         """Every rank this section names, by the key that names it."""
-        named = {"debug.slow_rank": self.slow_rank, "debug.nan_rank": self.nan_rank}
+        named = {"debug.slow_rank": self.slow_rank, "debug.nan_rank": self.nan_rank,
+                 "debug.hang_rank": self.hang_rank}
         named.update({f"debug.kills[{i}].rank": kill.rank for i, kill in enumerate(self.kills)})
         return {key: rank for key, rank in named.items() if rank is not None}
 
@@ -773,7 +793,6 @@ _NOT_BUILT_YET: list[tuple[str, Any, str]] = [
      "only the allreduce and parameter_server strategies are built so far"),
     ("optimizations.mixed_precision", "O0", "mixed precision is not built yet"),
     ("searcher.name", "single", "hyperparameter search is not built yet; one trial runs per experiment"),
-    ("profiling.enabled", False, "the profiler is not built yet"),
 ]
 
 
@@ -788,3 +807,12 @@ def check_buildable(config: ExperimentConfig) -> None:
             shown = " or ".join(repr(v) for v in allowed)
             raise ConfigError(f"`{dotted}` = {value!r}: {reason} (README, feature table); "
                               f"remove it or set it to {shown}")
+
+
+def is_built(dotted: str, value: Any) -> bool:
+    """False when `check_buildable` would refuse `value` for the key `dotted` (its feature is not built yet)."""
+    for key, working, _ in _NOT_BUILT_YET:
+        allowed = working if isinstance(working, tuple) else (working,)
+        if key == dotted and value not in allowed:
+            return False
+    return True

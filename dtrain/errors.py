@@ -35,3 +35,9 @@ class LaunchError(DtrainError):
 
 class SyncError(DtrainError):
     """Ranks cannot stay in step: a parameter without gradient, ranks that disagree on the data or schedule."""
+
+
+class StallError(DtrainError):
+    """A collective waited longer than `distributed.timeout_seconds`: names the ranks that did not arrive."""
+
+    exit_code = 1

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+from torch.utils.data import Dataset
 
 from dtrain.data.arrays import ArrayDataset
 
@@ -44,3 +46,31 @@ def synthetic_like(sample: Sequence[torch.Tensor], num_records: int, seed: int =
             high = max(int(item.max()) + 1, 2)
             tensors.append(torch.randint(0, high, shape, generator=generator).to(item.dtype))
     return ArrayDataset(*tensors)
+
+
+class ReplayDataset(Dataset):
+    """A dataset of `length` records that cycles through a small in-memory pool (random data of the real data's
+    shapes): training on it costs no input pipeline at all, which is what `debug.synthetic_data` measures."""
+
+    returns_batches = True
+
+    def __init__(self, pool: ArrayDataset, length: int) -> None:
+        self.pool = pool
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        return self.pool[index % len(self.pool)]
+
+    def __getitems__(self, indices: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        return self.pool.__getitems__([i % len(self.pool) for i in indices])
+
+
+def synthetic_replay(dataset: Any, pool_size: int = 1024) -> ReplayDataset:
+    """Random data with the shapes and dtypes of `dataset[0]`, as long as `dataset`, from a pool of
+    `pool_size` records."""
+    sample = dataset[0]
+    items = sample if isinstance(sample, (tuple, list)) else (sample,)
+    return ReplayDataset(synthetic_like(items, min(pool_size, len(dataset))), len(dataset))

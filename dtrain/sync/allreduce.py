@@ -26,7 +26,14 @@ from dtrain.comm import Topology
 from dtrain.compress import Compressor, NoCompression, WireStats
 from dtrain.errors import SyncError
 from dtrain.sync.fusion import BYTES_PER_MB, FusionTuner, candidate_bucket_sizes
-from dtrain.sync.hooks import HookState, Op, combine_bucket
+from dtrain.sync.hooks import (
+    BucketObserver,
+    HookState,
+    ObservedHookState,
+    Op,
+    combine_bucket,
+    observed_combine_bucket,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +102,7 @@ class AllReduceStrategy:
         self._model: nn.Module | None = None
         self._replica: Replica | None = None
         self._last_step_end: float | None = None
+        self._observer: BucketObserver | None = None
 
     # ------------------------------------------------------------------------------------ protocol
 
@@ -181,6 +189,11 @@ class AllReduceStrategy:
     def close(self) -> None:
         self._replica = None
 
+    def observe_buckets(self, observer: BucketObserver) -> None:
+        """Report each gradient bucket's ready and done times to `observer` (the profiler); call before
+        wrap_model. The buckets then go through dtrain's comm hook even for a plain average."""
+        self._observer = observer
+
     # ------------------------------------------------------------------------------------- internals
 
     def _build_ddp(self, model: nn.Module, *, init_sync: bool) -> DistributedDataParallel:
@@ -193,12 +206,18 @@ class AllReduceStrategy:
         ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb_list=caps,  # type: ignore[arg-type]
                                       find_unused_parameters=self.find_unused_parameters,
                                       gradient_as_bucket_view=True, batched_grad_copy=True, init_sync=init_sync)
-        self._hooked = self.op != "average" or not isinstance(self.compressor, NoCompression)
+        # The profiler's observer needs a hook even for a plain average (dtrain's hook then does what DDP's
+        # built-in all-reduce does, and times each bucket).
+        self._hooked = (self._observer is not None or self.op != "average"
+                        or not isinstance(self.compressor, NoCompression))
         if self._hooked:
             trainable = [p for p in model.parameters() if p.requires_grad]
             positions = {id(p): index / max(len(trainable) - 1, 1) for index, p in enumerate(trainable)}
-            ddp.register_comm_hook(HookState(self.op, compressor=self.compressor, parameter_positions=positions),
-                                   combine_bucket)
+            state = HookState(self.op, compressor=self.compressor, parameter_positions=positions)
+            if self._observer is not None:
+                ddp.register_comm_hook(ObservedHookState(state, self._observer), observed_combine_bucket)
+            else:
+                ddp.register_comm_hook(state, combine_bucket)
         return ddp
 
     def _tune_step(self) -> None:

@@ -12,7 +12,7 @@ are counted on the compressor (`compressor.wire`).
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at registration as real objects.
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -84,6 +84,13 @@ def _unpack(packed: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor
     return parts
 
 
+def values_or_raise(collected: torch.futures.Future[list[torch.futures.Future[Any]]]) -> list[Any]:
+    """The values of the futures `collect_all` gathered, raising the first error among them: its own future
+    succeeds even when one of them failed (a timed-out or broken collective), and an unreduced gradient must
+    not pass for a reduced one."""
+    return [future.value() for future in collected.value()]
+
+
 def run_round(round_: Round, group: dist.ProcessGroup | None) -> torch.futures.Future[Any]:
     """Start the collective of one round; the future's value is what the compressor's decompress takes: the
     summed payloads (all-reduce, in place) or, per rank, the list of its payloads (all-gather)."""
@@ -91,7 +98,12 @@ def run_round(round_: Round, group: dist.ProcessGroup | None) -> torch.futures.F
     if round_.collective == "all_reduce":
         works = [dist.all_reduce(p, group=group, async_op=True) for p in payloads if p.numel()]
         futures = [work.get_future() for work in works if work is not None]
-        return torch.futures.collect_all(futures).then(lambda _: payloads)  # type: ignore[arg-type]
+
+        def reduced(collected: torch.futures.Future[list[torch.futures.Future[Any]]]) -> list[torch.Tensor]:
+            values_or_raise(collected)
+            return payloads
+
+        return torch.futures.collect_all(futures).then(reduced)  # type: ignore[arg-type]
     packed = _pack(payloads)
     gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
     work = dist.all_gather(gathered, packed, group=group, async_op=True)
@@ -126,3 +138,32 @@ def combine_bucket(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
         return buffer
 
     return run_round(first, state.group).then(finish)
+
+
+class BucketObserver(Protocol):
+    """Told when a gradient bucket is ready for communication and when its collective finished (the profiler's
+    bucket clock): `bucket_ready` returns a slot that `bucket_done` gets back."""
+
+    def bucket_ready(self, index: int) -> int: ...
+
+    def bucket_done(self, slot: int) -> None: ...
+
+
+@dataclass
+class ObservedHookState:
+    """A hook state plus the observer that times each bucket's communication."""
+
+    inner: HookState
+    observer: BucketObserver
+
+
+def observed_combine_bucket(state: ObservedHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """`combine_bucket`, with the bucket's ready and done times reported to the observer."""
+    slot = state.observer.bucket_ready(bucket.index())
+    future = combine_bucket(state.inner, bucket)
+
+    def done(finished: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        state.observer.bucket_done(slot)
+        return finished.value()
+
+    return future.then(done)

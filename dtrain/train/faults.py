@@ -3,7 +3,8 @@
 Each injection point is a method the Trainer calls at a fixed place in a step, so that a fault happens
 at the same step and on the same rank in every run (reproducible straggler, crash and NaN scenarios):
 - `before_compute` / `after_compute`: the straggler (`slow_rank`, `slow_factor`);
-- `before_step`: SIGKILL at the start of a batch (`kills` with `during: step`);
+- `before_step`: SIGKILL at the start of a batch (`kills` with `during: step`), or a hang there (`hang_rank`,
+  `hang_at_step`) until the run gives up on the rank;
 - `during_checkpoint`: SIGKILL between the files of a checkpoint write (`kills` with `during: checkpoint`);
 - `corrupt_gradients`: a NaN in a gradient after the backward pass (`nan_rank`, `nan_batches`).
 
@@ -17,6 +18,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from dtrain.config import Debug, Kill
+from dtrain.errors import StallError
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,7 @@ class FaultInjector:
     restart_count: int = 0
     _last_compute_seconds: float | None = field(default=None, init=False)
     _pending: list[tuple[int, Kill]] = field(default_factory=list, init=False)
+    release: threading.Event = field(default_factory=threading.Event)  # set when the hang may end (run aborted)
 
     def __post_init__(self) -> None:
         fired = {record["index"] for record in read_fault_records(self.record_path)
@@ -68,6 +72,16 @@ class FaultInjector:
     def slowed(self) -> bool:
         """True when this rank is the configured straggler."""
         return self.debug.slow_rank == self.rank and self.debug.slow_factor > 1.0
+
+    def _hang_if_asked(self, step: int) -> None:
+        """Hang before batch `debug.hang_at_step` on `debug.hang_rank`, as a stuck data loader or device would,
+        until `release` is set (the run gave up on this rank); then raise StallError."""
+        if self.debug.hang_rank != self.rank or step != self.debug.hang_at_step:
+            return
+        while not self.release.wait(0.05):
+            pass
+        raise StallError(f"rank {self.rank} hung before batch {step} (debug.hang_rank) and was stopped because "
+                         "the other ranks timed out waiting for it")
 
     def before_compute(self) -> float:
         """Sleep so that this rank's forward + backward take `slow_factor` times as long as they did in the
@@ -86,7 +100,9 @@ class FaultInjector:
     # ------------------------------------------------------------------------------------------ kills
 
     def before_step(self, step: int) -> None:
-        """SIGKILL this rank at the start of batch `step` if a pending kill asks for it."""
+        """SIGKILL this rank at the start of batch `step` if a pending kill asks for it; hang there if
+        `debug.hang_rank` asks for it."""
+        self._hang_if_asked(step)
         for index, kill in self._pending:
             if kill.during == "step" and kill.batch == step:
                 self._die(index, kill, steps_done=step - 1)

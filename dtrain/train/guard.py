@@ -37,11 +37,16 @@ class Verdict:
 
 
 def gradients_finite(parameters: Iterable[torch.nn.Parameter]) -> bool:
-    """True when no gradient holds a NaN or an infinity (max-norm, so large finite values never overflow)."""
+    """True when no gradient holds a NaN or an infinity. A NaN or infinity anywhere makes the plain sum of all
+    gradients non-finite, and that sum is one cheap pass (an inf-norm took 5x as long, a fifth of a small
+    model's step); only a non-finite sum, which large finite values can also give by overflowing, is checked
+    element by element."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return True
-    return bool(math.isfinite(float(torch.nn.utils.get_total_norm(grads, norm_type=math.inf))))
+    if math.isfinite(float(torch.stack([grad.sum() for grad in grads]).sum())):
+        return True
+    return all(bool(torch.isfinite(grad).all()) for grad in grads)
 
 
 def model_digest(model: torch.nn.Module) -> str:

@@ -30,6 +30,12 @@ class MetricsWriter:
             for name, value in values.items():
                 self._tb.add_scalar(f"train/{name}", value, step)
 
+    def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        """TensorBoard-only scalars under their full tags (the per-rank phase profile)."""
+        if self._tb is not None:
+            for tag, value in values.items():
+                self._tb.add_scalar(tag, value, step)
+
     def validation(self, step: int, epoch: float, wall_seconds: float, values: Mapping[str, float]) -> None:
         if self._store is not None:
             self._store.add_metrics(self._trial_id, "validation", [(step, epoch, wall_seconds, values)])

@@ -22,15 +22,18 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dtrain.comm import Topology, all_gather_object, all_reduce_sums, broadcast_object
+from dtrain.comm.stall import StallMonitor, default_store, set_collective_timeout
 from dtrain.compress import WireStats
 from dtrain.config import ExperimentConfig, Length
 from dtrain.data.arrays import keep_batch
 from dtrain.data.sharding import BatchSplit, ShardedBatchSampler, split_global_batch, validation_shard
-from dtrain.errors import CheckpointError, ConfigError, SyncError, TrainingDiverged, TrialError
+from dtrain.data.synthetic import synthetic_replay
+from dtrain.errors import CheckpointError, ConfigError, StallError, SyncError, TrainingDiverged, TrialError
 from dtrain.optim.batch_schedule import BatchPhase, BatchPlan, resolve_changes
 from dtrain.optim.build import build_lr_schedule
 from dtrain.optim.build import build_optimizer as build_config_optimizer
 from dtrain.optim.lr_schedule import ScheduledLR
+from dtrain.profile import Profiler, tensorboard_scalars
 from dtrain.sync import SyncStrategy, build_strategy
 from dtrain.train import checkpoint as ckpt
 from dtrain.train.faults import FAULTS_FILE, FaultInjector
@@ -220,6 +223,8 @@ class Trainer:
 
     def _build(self) -> None:
         self.train_data = self._dataset(self.trial.build_training_data(), "build_training_data")
+        if self.config.debug.synthetic_data:
+            self.train_data = synthetic_replay(self.train_data)
         self.val_data = self._dataset(self.trial.build_validation_data(), "build_validation_data")
         self._check_same_data_on_all_ranks()
         self.schedule = resolve_schedule(self.config, len(self.train_data), self.split)
@@ -236,6 +241,12 @@ class Trainer:
             self.model = self.model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         self._build_optimizer()
         self.strategy: SyncStrategy = build_strategy(self.config, self.topology)
+        device = self.topology.device
+        self.profiler = Profiler(self.config.profiling, rank=self.topology.rank, run_dir=self.run_dir,
+                                 synchronize=torch.cuda.synchronize if device.type == "cuda" else None)
+        observe = getattr(self.strategy, "observe_buckets", None)  # optional in the SyncStrategy protocol
+        if self.profiler.enabled and observe is not None and self.topology.is_distributed:
+            observe(self.profiler.timer.buckets)
 
     def _build_optimizer(self) -> None:
         """The Trial's optimizer and scheduler (`large_batch.optimizer: trial`), or the config's optimizer; either
@@ -338,6 +349,7 @@ class Trainer:
                                  report_every=self.config.scheduling_unit)
         self.metrics.status("running")
         self._announce(resumed)
+        self.monitor = self._start_stall_monitor()
         try:
             with GracefulStop() as stop:
                 self.guard = UpdateGuard(self.config.nan_policy, self.config.max_consecutive_nan_skips, stop,
@@ -346,8 +358,11 @@ class Trainer:
                 self._loop(resumed)
         finally:
             self.progress.close()
+            if self.monitor is not None:
+                self.monitor.stop()
         summary = self._summary()
         summary["replicas_identical"] = self._check_replicas()
+        summary["profile"] = self._run_profile()
         if chief:
             write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
             self.metrics.status(self.status, summary)
@@ -392,71 +407,87 @@ class Trainer:
             step_start = time.perf_counter()
             previous = state.steps_completed
             step = previous + 1
-            self.faults.before_step(step)
-            loss_scale = self._enter_phase(s.plan.phase_at(step - 1), step - 1)
-            boundary = s.plan.is_boundary(step) or step == s.total_batches
-            batch = move_to_device(next(batches), self.topology.device, self.channels_last)
-            self.wrapped.train()
-            self.faults.before_compute()
-            compute_start = time.perf_counter()
-            with nullcontext() if boundary else self.strategy.no_sync():
-                outputs = self.trial.train_batch(batch, self.wrapped)
-                loss = self._loss(outputs)
-                (loss * loss_scale if loss_scale != 1.0 else loss).backward()
-            self.faults.after_compute(time.perf_counter() - compute_start)
             size = self.split.per_rank[self.topology.rank]
-            for name, value in outputs.items():
-                window[name] = window.get(name, 0.0) + _scalar(name, value, "train_batch()") * size
-            window["__records"] = window.get("__records", 0.0) + size
-            interrupted = False
-            if boundary:
-                self.faults.corrupt_gradients(step, self.model)
-                verdict = self.guard.decide(step, self.model.parameters())
-                wire = None
-                if verdict.apply:
-                    lr = self._set_learning_rate(window_start)
-                    self.strategy.step(self.optimizer)
-                    wire = self._count_wire()
-                    for name, total in window.items():
-                        sums[name] = sums.get(name, 0.0) + total
-                else:
-                    state.nan_steps_skipped = self.guard.skipped
-                    self._count_wire()  # the gradients crossed the wire before the verdict
-                    self._note_skip(step, verdict.nonfinite_ranks)
-                window = {}
-                self.optimizer.zero_grad(set_to_none=True)
-                step = self._reached(previous, step)
-                if self.scheduler is not None:
-                    for _ in range(step - previous):  # one step per global batch trained
-                        self.scheduler.step()
-                if verdict.apply and step > previous:
-                    self._log_update(step, lr, timeline_start, wire)
-                window_start = step
-                # ranks out of lockstep stop together only at a meeting point (they decide on their own)
-                interrupted = verdict.stop and (self.guard.collective or step == self._next_meeting(previous))
-            state.steps_completed = step
-            state.samples_trained += self.split.global_batch_size * (step - previous)
-            train_time += time.perf_counter() - step_start
-            if step == previous:
-                continue  # the parameter servers have not completed another global batch yet
-            self.progress.update(step, s.epoch_of(step), float(loss.detach()))
-            last = step == s.total_batches
-            if step % self.config.scheduling_unit == 0 or last:
-                self._report_training(step, sums, timeline_start, train_time)
-                sums = {}
-            aside = time.perf_counter()
-            validated = False
-            if s.validation_due(step) or last:
-                self.strategy.consolidate()
-                metric = self._validate(step, timeline_start)
-                validated = True
-            stopping = boundary and not last and (interrupted or (stop_after is not None and step >= stop_after))
-            if boundary and (self._checkpoint_due(step, validated, last) or stopping):
-                self.strategy.consolidate(snapshot=True)
-                state.wall_seconds = time.perf_counter() - timeline_start
-                state.training_seconds = train_time
-                self._checkpoint(step, metric if validated else None)
-            self.progress.pause_clock(time.perf_counter() - aside)
+            try:
+                with self.profiler.step(step, records=size):
+                    with self.profiler.phase("data"):
+                        self.faults.before_step(step)
+                        loss_scale = self._enter_phase(s.plan.phase_at(step - 1), step - 1)
+                        boundary = s.plan.is_boundary(step) or step == s.total_batches
+                        batch = move_to_device(next(batches), self.topology.device, self.channels_last)
+                    self.wrapped.train()
+                    self.faults.before_compute()
+                    compute_start = time.perf_counter()
+                    # A forward pass under no_sync leaves the backward pass unsynchronized too.
+                    with nullcontext() if boundary else self.strategy.no_sync():
+                        with self.profiler.phase("forward"):
+                            outputs = self.trial.train_batch(batch, self.wrapped)
+                            loss = self._loss(outputs)
+                        with self.profiler.phase("backward"):
+                            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+                    # the straggler's own compute, without the communication it waited for
+                    waited = self.profiler.exposed_comm_seconds()
+                    self.faults.after_compute(time.perf_counter() - compute_start - waited)
+                    for name, value in outputs.items():
+                        window[name] = window.get(name, 0.0) + _scalar(name, value, "train_batch()") * size
+                    window["__records"] = window.get("__records", 0.0) + size
+                    interrupted = False
+                    if boundary:
+                        with self.profiler.phase("optimizer"):
+                            self.faults.corrupt_gradients(step, self.model)
+                            verdict = self.guard.decide(step, self.model.parameters())
+                            wire = None
+                            if verdict.apply:
+                                lr = self._set_learning_rate(window_start)
+                                self.strategy.step(self.optimizer)
+                                wire = self._count_wire()
+                                for name, total in window.items():
+                                    sums[name] = sums.get(name, 0.0) + total
+                            else:
+                                state.nan_steps_skipped = self.guard.skipped
+                                self._count_wire()  # the gradients crossed the wire before the verdict
+                                self._note_skip(step, verdict.nonfinite_ranks)
+                            window = {}
+                            self.optimizer.zero_grad(set_to_none=True)
+                            step = self._reached(previous, step)
+                            if self.scheduler is not None:
+                                for _ in range(step - previous):  # one step per global batch trained
+                                    self.scheduler.step()
+                        if verdict.apply and step > previous:
+                            with self.profiler.phase("report"):
+                                self._log_update(step, lr, timeline_start, wire)
+                        window_start = step
+                        # ranks out of lockstep stop together only at a meeting point (they decide on their own)
+                        interrupted = verdict.stop and (self.guard.collective or step == self._next_meeting(previous))
+                    state.steps_completed = step
+                    state.samples_trained += self.split.global_batch_size * (step - previous)
+                    train_time += time.perf_counter() - step_start
+                    if step == previous:
+                        continue  # the parameter servers have not completed another global batch yet
+                    self.progress.update(step, s.epoch_of(step), float(loss.detach()))
+                    last = step == s.total_batches
+                    if step % self.config.scheduling_unit == 0 or last:
+                        with self.profiler.phase("report"):
+                            self._report_training(step, sums, timeline_start, train_time)
+                        sums = {}
+                    aside = time.perf_counter()
+                    validated = False
+                    if s.validation_due(step) or last:
+                        with self.profiler.phase("validation"):
+                            self.strategy.consolidate()
+                            metric = self._validate(step, timeline_start)
+                        validated = True
+                    asked_to_stop = stop_after is not None and step >= stop_after
+                    stopping = boundary and not last and (interrupted or asked_to_stop)
+                    if boundary and (self._checkpoint_due(step, validated, last) or stopping):
+                        with self.profiler.phase("checkpoint"):
+                            self.strategy.consolidate(snapshot=True)
+                            state.wall_seconds = time.perf_counter() - timeline_start
+                            state.training_seconds = train_time
+                            self._checkpoint(step, metric if validated else None)
+                    self.progress.pause_clock(time.perf_counter() - aside)
+            except RuntimeError as exc:
+                raise self._collective_failure(exc) from None
             if stopping and interrupted:
                 self.status = "interrupted"
                 received = self.guard.stop.received
@@ -489,6 +520,47 @@ class Trainer:
         if stop is not None and stop > previous:
             meetings.append(stop)
         return min(meetings)
+
+    # ------------------------------------------------------------------------- profile and stalls
+
+    def _start_stall_monitor(self) -> StallMonitor | None:
+        """Heartbeats through the workers' store (distributed runs only); an injected hang ends on its abort.
+        Collectives time out after `distributed.timeout_seconds`, however the process group was created."""
+        store = default_store() if self.topology.is_distributed else None
+        if store is None:
+            return None
+        set_collective_timeout(self.config.distributed.timeout_seconds)
+        timer = self.profiler.timer
+
+        def activity() -> tuple[int, str, tuple[int, int], float]:
+            now = timer.activity
+            return now.step, now.phase, now.position, now.since
+
+        monitor = StallMonitor(store=store, rank=self.topology.rank, world_size=self.topology.world_size,
+                               activity=activity, warn_after=self.config.distributed.stall_warning_seconds,
+                               attempt=self.topology.restart_count)
+        self.faults.release = monitor.abort
+        return monitor.start()
+
+    def _collective_failure(self, exc: RuntimeError) -> Exception:
+        """A collective that failed (timed out, or a peer died) as one StallError naming the ranks that did not
+        arrive; other RuntimeErrors pass through unchanged."""
+        text = str(exc)
+        failed = isinstance(exc, torch.distributed.DistError) or any(
+            sign in text for sign in ("Timed out", "timed out", "Application timeout", "Connection closed by peer",
+                                 "Connection reset"))
+        if not failed or self.monitor is None or isinstance(exc, StallError):
+            return exc
+        return self.monitor.timeout_error(exc, self.config.distributed.timeout_seconds)
+
+    def _run_profile(self) -> dict[str, Any]:
+        """Every rank's phase profile (gathered to all ranks) and the timeline files, for summary.json."""
+        mine = self.profiler.run_profile()
+        files = self.profiler.close()
+        ranks = all_gather_object(mine) if self.topology.is_distributed else [mine]
+        timelines = all_gather_object(files) if self.topology.is_distributed else [files]
+        return {"ranks": ranks, "timelines": [path for paths in timelines for path in paths],
+                "phase_timers": self.profiler.enabled}
 
     # ------------------------------------------------------------------ batch-size phases and the rate
 
@@ -626,9 +698,12 @@ class Trainer:
                 f"(learning rate {self.optimizer.param_groups[0]['lr']:.4g}, global batch "
                 f"{self.split.global_batch_size}); {RECIPE_ADVICE}")
         values["samples_per_second"] = self.state.samples_trained / train_time if train_time > 0 else 0.0
+        window = self.profiler.window_profile() if self.profiler.enabled else {}
+        profiles = all_gather_object(window) if self.profiler.enabled and self.topology.is_distributed else [window]
         if self.topology.is_chief:
             values.update(self.strategy.metrics())
             self.metrics.training(step, self.schedule.epoch_of(step), time.perf_counter() - timeline_start, values)
+            self.metrics.scalars(step, tensorboard_scalars(profiles))
             self.metrics.flush()
 
     def _validate(self, step: int, timeline_start: float) -> float | None:

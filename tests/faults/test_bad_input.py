@@ -121,6 +121,11 @@ CLI_CASES: dict[str, tuple[list[str], str]] = {
                               "{tmp}/existing"], "holds a run with a different config"),
     "show-unknown-experiment": (["experiments", "show", "999"], "no run store at"),
     "unknown-command": (["train", "{config}"], "invalid choice: 'train'"),
+    "diagnose-too-few-steps": (["diagnose", "{config}", "--steps", "3", "--out", "{tmp}/diagnosis"],
+                               "--steps 3 is too short to time"),
+    "diagnose-async-parameter-server": (["diagnose", "{config}", "--set", "distributed.strategy=parameter_server",
+                                         "--set", "distributed.parameter_server.mode=async", "--out",
+                                         "{tmp}/diagnosis"], "parameter_server mode `async` does not run"),
 }
 
 

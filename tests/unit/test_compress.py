@@ -247,3 +247,19 @@ def test_op_sum_is_world_times_average(name: str) -> None:
         assert torch.nn.functional.cosine_similarity(results[0], results[1], dim=0) > 0.9
     else:
         assert torch.equal(results[0] * 2, results[1])
+
+
+def test_a_failed_collective_fails_the_round_instead_of_passing_unreduced_payloads() -> None:
+    from dtrain.sync.hooks import values_or_raise
+
+    ok: torch.futures.Future[int] = torch.futures.Future()
+    failed: torch.futures.Future[int] = torch.futures.Future()
+    chained = torch.futures.collect_all([ok, failed]).then(values_or_raise)
+    ok.set_result(1)
+    failed.set_exception(RuntimeError("Application timeout caused pair closure"))
+    with pytest.raises(RuntimeError, match="pair closure"):
+        chained.wait()
+    fine: torch.futures.Future[int] = torch.futures.Future()
+    passed = torch.futures.collect_all([fine]).then(values_or_raise)
+    fine.set_result(2)
+    assert passed.wait() == [2]

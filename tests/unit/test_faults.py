@@ -128,7 +128,11 @@ def _params(*values: float) -> list[torch.nn.Parameter]:
 
 
 def test_gradients_finite_tells_nan_and_inf_from_large_values() -> None:
-    assert gradients_finite(_params(1e38, -1e38))  # a 2-norm would overflow here; the max-norm does not
+    assert gradients_finite(_params(1e38, -1e38))  # a 2-norm would overflow here
+    assert gradients_finite(_params(3e38, 3e38, 3e38))  # the sum overflows to inf; the values are finite
+    assert gradients_finite(_params(3e38) + _params(3e38))  # also across tensors
+    assert not gradients_finite(_params(float("inf"), float("-inf")))  # their sum is NaN
+    assert not gradients_finite(_params(1.0) + _params(2.0, float("nan")))
     assert not gradients_finite(_params(1.0, float("nan")))
     assert not gradients_finite(_params(float("-inf"), 0.0))
     assert gradients_finite([torch.nn.Parameter(torch.zeros(2))])  # no gradient at all

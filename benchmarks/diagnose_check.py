@@ -1,0 +1,304 @@
+"""Does `dtrain diagnose` tell the truth? Its numbers against direct measurements of the same workload.
+
+Workload: benchmarks/diagnose/ (2 workers x 64 in-memory 28x28 images, a 0.8M-parameter CNN whose dense layer
+makes it communication-heavy on a 1 Gbit/s link; `load_delay_ms` makes its data set slow), one thread per
+worker.
+
+1. Communication (needs root: a network namespace whose loopback tbf shapes to 1 Gbit/s, benchmarks/netem.py).
+   Alternating, `--rounds` times: `dtrain diagnose` (its communication overhead comes from the phase timers of
+   a trial as configured against one with aggregation_frequency 1000), then a direct measurement that shares
+   no code with dtrain: a plain DDP loop under torchrun on the same model and batches, alternating blocks of
+   steps with and without `no_sync()`; overhead = (synced - unsynced) / synced step time.
+   Headline `comm_overhead_error_points`: |median diagnosed - median direct| in percentage points (target <= 10).
+2. Input pipeline (loopback): `dtrain diagnose` on the same workload with `load_delay_ms` per batch.
+   Headline `io_bottleneck_named`: true when the verdict's bottleneck is the input pipeline.
+3. Cost of the phase timers (loopback): whole `dtrain run`s with `profiling.phase_timers` on and off,
+   alternating; overhead = 1 - (samples/s with timers) / (samples/s without), the median of the per-round
+   ratios (timers on also route DDP's average through dtrain's comm hook, to time each bucket; that is
+   included). Plus the timers' own bookkeeping per step, timed in-process, as a share of the step.
+   Headline `timer_overhead_percent` (target < 2).
+
+    flock /tmp/dtrain-bench.lock python benchmarks/diagnose_check.py            # about 15 minutes on 2 cores
+    flock /tmp/dtrain-bench.lock python benchmarks/diagnose_check.py --quick    # 1 round, short trials
+
+Writes benchmarks/results/diagnose_check.{json,md} and copies the 1 Gbit/s diagnosis chart to
+benchmarks/results/diagnose_chart.png (the README shows it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+WORKLOAD = REPO / "benchmarks" / "diagnose" / "cnn.yaml"
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(WORKLOAD.parent))
+
+PER_RANK_BATCH = 64  # cnn.yaml's global batch 128 on 2 workers
+TARGET_ERROR_POINTS = 10.0
+TARGET_TIMER_OVERHEAD = 2.0
+
+
+# ------------------------------------------------------------------------------ direct measurement
+
+
+def direct_worker(blocks: int, block_steps: int, out: Path) -> None:
+    """Runs in each of the 2 torchrun processes: plain DDP, blocks of synced and unsynced (no_sync) steps."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from model_def import build_model
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(build_model(256))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    generator = torch.Generator().manual_seed(100 + rank)
+    batches = [(torch.randn(PER_RANK_BATCH, 1, 28, 28, generator=generator),
+                torch.randint(0, 10, (PER_RANK_BATCH,), generator=generator)) for _ in range(4)]
+    times: dict[str, list[float]] = {"synced": [], "unsynced": []}
+
+    def step(index: int, synced: bool) -> float:
+        images, labels = batches[index % len(batches)]
+        start = time.perf_counter()
+        if synced:
+            F.cross_entropy(model(images), labels).backward()
+        else:
+            with model.no_sync():
+                F.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    for index in range(5):  # warm-up: bucket rebuild, allocator, caches
+        step(index, synced=True)
+    for block in range(blocks):
+        for synced in ((True, False) if block % 2 == 0 else (False, True)):
+            dist.barrier()  # both ranks start the block together
+            for index in range(block_steps):
+                times["synced" if synced else "unsynced"].append(step(index, synced))
+    if rank == 0:
+        out.write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def direct_overhead(ns: Any, blocks: int, block_steps: int, workdir: Path) -> dict[str, float]:
+    """Communication overhead % of the plain DDP loop inside namespace `ns`."""
+    out = workdir / f"direct-{time.monotonic_ns()}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = ns.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                     __file__, "--direct-worker", "--blocks", str(blocks), "--block-steps", str(block_steps),
+                     "--out", str(out)], capture_output=True, env=env)
+    if result.returncode != 0:
+        raise RuntimeError(f"direct DDP measurement failed:\n{result.stderr[-3000:]}")
+    times = json.loads(out.read_text())
+    synced, unsynced = statistics.median(times["synced"]), statistics.median(times["unsynced"])
+    return {"synced_ms": synced * 1e3, "unsynced_ms": unsynced * 1e3,
+            "overhead_percent": 100.0 * (synced - unsynced) / synced}
+
+
+# ------------------------------------------------------------------------------------ diagnose
+
+
+def diagnose(wrap: Any, steps: int, out: Path, overrides: list[str]) -> dict[str, Any]:
+    """`dtrain diagnose` on the workload (inside the namespace when `wrap` is one); its diagnosis.json."""
+    command = [sys.executable, "-m", "dtrain.cli", "diagnose", str(WORKLOAD), "--steps", str(steps),
+               "--out", str(out), "--json"]
+    for override in overrides:
+        command += ["--set", override]
+    env = {**os.environ, "DTRAIN_RUNS_ROOT": str(out / "runs")}
+    env.pop("OMP_NUM_THREADS", None)  # diagnose gives each slot its share of the cores
+    result = subprocess.run(wrap(command) if wrap else command, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise RuntimeError(f"dtrain diagnose failed:\n{result.stderr[-3000:]}")
+    diagnosis: dict[str, Any] = json.loads((out / "diagnosis.json").read_text())
+    return diagnosis
+
+
+def communication_part(rounds: int, steps: int, blocks: int, block_steps: int,
+                       workdir: Path) -> tuple[list[dict[str, Any]], str, Path | None]:
+    from netem import measure_loopback_gbit_per_s, shaped_namespace
+
+    rows: list[dict[str, Any]] = []
+    chart: Path | None = None
+    with shaped_namespace("1gbit") as ns:
+        tcp = measure_loopback_gbit_per_s(ns, megabytes=32)
+        network = f"tbf 1gbit on a namespace's loopback (TCP measured {tcp:.2f} Gbit/s)"
+        print(f"namespace {ns.name}: {network}", flush=True)
+        for repeat in range(rounds):
+            order = ("diagnose", "direct") if repeat % 2 == 0 else ("direct", "diagnose")
+            row: dict[str, Any] = {"part": "communication", "repeat": repeat}
+            for what in order:
+                print(f"[{repeat + 1}/{rounds}] {what} at 1 Gbit/s ...", flush=True)
+                if what == "direct":
+                    row["direct"] = direct_overhead(ns, blocks, block_steps, workdir)
+                else:
+                    found = diagnose(ns.wrap, steps, workdir / f"comm-{repeat}", [])
+                    row["diagnosed_percent"] = found["communication_overhead_percent"]
+                    row["exposed_wait_percent"] = found["exposed_communication_wait_percent"]
+                    row["scaling_efficiency_percent"] = found.get("scaling_efficiency_percent")
+                    row["bottleneck"] = found["bottleneck"]
+                    row["verdict"] = found["verdict"]
+                    chart = Path(found["chart"])
+            row["direct_percent"] = row["direct"]["overhead_percent"]
+            print(f"[{repeat + 1}/{rounds}] diagnosed {row['diagnosed_percent']:.1f}% vs direct "
+                  f"{row['direct_percent']:.1f}% (synced {row['direct']['synced_ms']:.1f} ms, unsynced "
+                  f"{row['direct']['unsynced_ms']:.1f} ms)", flush=True)
+            rows.append(row)
+    return rows, network, chart
+
+
+def input_part(steps: int, delay_ms: float, workdir: Path) -> dict[str, Any]:
+    print(f"input pipeline: diagnose with load_delay_ms={delay_ms:g} on loopback ...", flush=True)
+    found = diagnose(None, steps, workdir / "slow-input", [f"hyperparameters.load_delay_ms={delay_ms:g}"])
+    row = {"part": "input", "load_delay_ms": delay_ms, "bottleneck": found["bottleneck"],
+           "input_overhead_percent": found["input_overhead_percent"], "verdict": found["verdict"],
+           "advice": found["advice"]}
+    print(f"  bottleneck: {row['bottleneck']}; input overhead {row['input_overhead_percent']:.1f}%", flush=True)
+    return row
+
+
+# ------------------------------------------------------------------------------------ timer cost
+
+
+def timers_part(rounds: int, batches: int, workdir: Path) -> list[dict[str, Any]]:
+    from common import dtrain_run
+
+    rows = []
+    for repeat in range(rounds):
+        order = (True, False) if repeat % 2 == 0 else (False, True)
+        speeds: dict[bool, float] = {}
+        for timers in order:
+            run_dir = workdir / f"timers-{repeat}-{'on' if timers else 'off'}"
+            summary = dtrain_run(WORKLOAD, run_dir, [f"profiling.phase_timers={str(timers).lower()}",
+                                                     f"searcher.max_length={{batches: {batches}}}",
+                                                     "min_checkpoint_period={batches: 0}",
+                                                     "min_validation_period={batches: 0}"],
+                                 workdir / "runs")
+            speeds[timers] = float(summary["samples_per_second"])
+        ratio = speeds[True] / speeds[False]
+        rows.append({"part": "timers", "repeat": repeat, "on_samples_per_second": speeds[True],
+                     "off_samples_per_second": speeds[False], "overhead_percent": 100.0 * (1.0 - ratio)})
+        print(f"[{repeat + 1}/{rounds}] timers on {speeds[True]:.0f} samples/s, off {speeds[False]:.0f}: overhead "
+              f"{rows[-1]['overhead_percent']:.2f}%", flush=True)
+    return rows
+
+
+def bookkeeping_seconds_per_step(repeats: int = 2000) -> float:
+    """The StepTimer's own cost for one step of the Trainer's phases (no work inside them)."""
+    from dtrain.profile.timers import StepTimer
+
+    timer = StepTimer()
+    phases = ("data", "forward", "backward", "optimizer", "report")
+    start = time.perf_counter()
+    for step in range(repeats):
+        timer.begin_step(step)
+        for name in phases:
+            with timer.phase(name):
+                pass
+        timer.buckets.bucket_ready(0)
+        timer.buckets.bucket_done(0)
+        timer.split_backward()
+        timer.end_step(64)
+    return (time.perf_counter() - start) / repeats
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one round, short trials (a check, not a result)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of each part (default 3)")
+    parser.add_argument("--steps", type=int, default=40, help="batches per diagnosis trial (default 40)")
+    parser.add_argument("--load-delay-ms", type=float, default=40.0,
+                        help="the slow data set's extra time per batch (default 40 ms)")
+    parser.add_argument("--direct-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--blocks", type=int, default=6, help=argparse.SUPPRESS)
+    parser.add_argument("--block-steps", type=int, default=10, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.direct_worker:
+        direct_worker(args.blocks, args.block_steps, args.out)
+        return
+
+    from common import RESULTS, machine_info, markdown_table, write_results
+    from netem import unavailable_reason
+
+    rounds = 1 if args.quick else args.rounds
+    steps = 12 if args.quick else args.steps
+    timer_batches = 60 if args.quick else 300
+    rows: list[dict[str, Any]] = []
+    headline: dict[str, Any] = {}
+    network = "none (loopback, unshaped)"
+    with tempfile.TemporaryDirectory(prefix="diagnose_check-") as tmp:
+        workdir = Path(tmp)
+        reason = unavailable_reason()
+        if reason:
+            print(f"communication part skipped: {reason}", flush=True)
+            headline["comm_overhead_error_points"] = None
+            headline["comm_skipped_because"] = reason
+        else:
+            comm_rows, network, chart = communication_part(rounds, steps, 6 if not args.quick else 2, 10, workdir)
+            rows += comm_rows
+            diagnosed = statistics.median(r["diagnosed_percent"] for r in comm_rows)
+            direct = statistics.median(r["direct_percent"] for r in comm_rows)
+            headline.update(comm_overhead_error_points=abs(diagnosed - direct), comm_overhead_diagnosed=diagnosed,
+                            comm_overhead_direct=direct)
+            if chart is not None and chart.is_file():
+                RESULTS.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(chart, RESULTS / "diagnose_chart.png")
+        io_row = input_part(steps, args.load_delay_ms, workdir)
+        rows.append(io_row)
+        headline["io_bottleneck_named"] = io_row["bottleneck"] == "input pipeline"
+        timer_rows = timers_part(rounds if not args.quick else 1, timer_batches, workdir)
+        rows += timer_rows
+    overhead = statistics.median(r["overhead_percent"] for r in timer_rows)
+    per_step = bookkeeping_seconds_per_step()
+    off_step = statistics.median(PER_RANK_BATCH * 2 / r["off_samples_per_second"] for r in timer_rows)
+    headline.update(timer_overhead_percent=overhead,
+                    timer_bookkeeping_percent=100.0 * per_step / off_step,
+                    timer_bookkeeping_us_per_step=per_step * 1e6)
+    print(f"headline: {json.dumps(headline)}", flush=True)
+
+    comm = [r for r in rows if r["part"] == "communication"]
+    lines = ["# dtrain diagnose against direct measurements", "",
+             f"Network for part 1: {network}. Command: `python benchmarks/diagnose_check.py`"
+             f"{' --quick' if args.quick else ''}.", "",
+             "## Headline", "", markdown_table(["key", "value"], [[k, v] for k, v in headline.items()]), ""]
+    if comm:
+        lines += ["## Communication overhead at 1 Gbit/s (percent of the step)", "",
+                  markdown_table(["round", "diagnosed", "direct (plain DDP)", "DDP synced ms", "DDP unsynced ms",
+                                  "exposed wait", "scaling efficiency"],
+                                 [[r["repeat"], r["diagnosed_percent"], r["direct_percent"], r["direct"]["synced_ms"],
+                                   r["direct"]["unsynced_ms"], r["exposed_wait_percent"],
+                                   r["scaling_efficiency_percent"]] for r in comm]),
+                  "", "Verdict of the last round:", "", *[f"    {line}" for line in comm[-1]["verdict"]], ""]
+    lines += ["## Slow input pipeline", "", f"`load_delay_ms: {io_row['load_delay_ms']:g}`: bottleneck "
+              f"**{io_row['bottleneck']}**, input overhead {io_row['input_overhead_percent']:.1f}% of the step.", "",
+              *[f"    {line}" for line in io_row["verdict"]], "",
+              "## Phase timers' cost", "",
+              markdown_table(["round", "samples/s timers on", "samples/s timers off", "overhead %"],
+                             [[r["repeat"], r["on_samples_per_second"], r["off_samples_per_second"],
+                               r["overhead_percent"]] for r in timer_rows]), "",
+              f"Bookkeeping alone: {per_step * 1e6:.1f} us per step ({100 * per_step / off_step:.3f}% of a "
+              f"{off_step * 1e3:.1f} ms step)."]
+    path = write_results("diagnose_check", headline, rows, "\n".join(lines), machine_info(network))
+    print(f"written: {path}")
+
+
+if __name__ == "__main__":
+    main()

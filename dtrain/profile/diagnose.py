@@ -1,0 +1,158 @@
+"""`dtrain diagnose`'s analysis: the short trials it runs and what their phase profiles say.
+
+Seed 000's manual recipe, as one command: the same experiment as configured; with aggregation_frequency
+1000 (communication almost never happens, so the difference is its cost); on synthetic data of the same
+shapes (no input pipeline, so the difference is its cost); and on one slot with the same per-slot batch
+(scaling efficiency). The slowest rank comes from the configured trial's per-rank compute phases.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dtrain.config import ExperimentConfig, is_built
+
+BOTTLENECK_PERCENT = 10.0  # a cost at least this share of the step is named as a bottleneck
+NO_COMMUNICATION_K = 1000
+
+
+@dataclass(frozen=True)
+class TrialPlan:
+    """One short trial: its name, what it measures and its --set overrides on top of the common ones."""
+
+    name: str
+    title: str
+    overrides: tuple[str, ...]
+
+
+def trial_plans(config: ExperimentConfig, steps: int) -> list[TrialPlan]:
+    """The four trials for `config`, each `steps` batches long, without validation or checkpoints on the way."""
+    world = config.resources.world_size
+    common = (f"searcher.max_length={{batches: {steps}}}", "min_validation_period={batches: 0}",
+              "min_checkpoint_period={batches: 0}", "checkpoint_policy=none", "perform_initial_validation=false",
+              f"scheduling_unit={steps}", "debug.stop_after_batch=null", "max_restarts=0",
+              "profiling.phase_timers=true", "profiling.enabled=false")
+    one_slot = ["resources.slots_per_trial=1",
+                f"hyperparameters.global_batch_size={config.global_batch_size // world}"]
+    for key in ("slow_rank", "hang_rank"):  # the one worker is rank 0: faults aimed at other ranks go
+        rank = getattr(config.debug, key)
+        if rank is not None and rank >= 1:
+            one_slot.append(f"debug.{key}=null")
+    plans = [TrialPlan("configured", "as configured", common),
+             TrialPlan("no_communication", f"aggregation_frequency {NO_COMMUNICATION_K}",
+                       (*common, f"optimizations.aggregation_frequency={NO_COMMUNICATION_K}")),
+             TrialPlan("synthetic_data", "synthetic data of the same shapes", (*common, "debug.synthetic_data=true"))]
+    if world > 1:
+        plans.append(TrialPlan("one_slot", "1 slot, same per-slot batch", (*common, *one_slot)))
+    return plans
+
+
+def _median_of(rank: Mapping[str, Any], phases: tuple[str, ...]) -> float:
+    """Median seconds per step of the sum of `phases` on one rank (from the per-step medians of each phase:
+    the summary keeps medians per phase, and the phases of a lockstep step vary together little)."""
+    medians = rank["median_seconds"]
+    return float(sum(medians.get(name, 0.0) for name in phases))
+
+
+PACE_PHASES = ("data", "forward", "backward", "comm_wait")  # one batch's work without the optimizer update
+STEP_PHASES = (*PACE_PHASES, "optimizer")
+COMPUTE_PHASES = ("data", "forward", "backward", "optimizer")
+
+
+def pace_seconds(profile: Mapping[str, Any], phases: tuple[str, ...] = PACE_PHASES) -> float:
+    """The job's seconds per batch: the slowest rank's median (ranks that communicate move in lockstep; ranks
+    that do not, move at their own pace and the job at the slowest one's)."""
+    return max(_median_of(rank, phases) for rank in profile["ranks"] if rank.get("steps"))
+
+
+def percent(part: float, whole: float) -> float:
+    return 100.0 * part / whole if whole > 0 else 0.0
+
+
+def analyse(config: ExperimentConfig, profiles: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The diagnosis from the trials' summary `profile`s: overheads in percent of the configured step, the
+    slowest rank, the bottleneck and advice."""
+    world = config.resources.world_size
+    configured = profiles["configured"]
+    pace = pace_seconds(configured)
+    comm = percent(pace - pace_seconds(profiles["no_communication"], ("data", "forward", "backward")), pace)
+    # synthetic data changes only the data phase, so its difference there is the input pipeline's cost
+    io = percent(statistics.median(_median_of(real, ("data",)) - _median_of(fake, ("data",)) for real, fake
+                                   in zip(configured["ranks"], profiles["synthetic_data"]["ranks"], strict=True)), pace)
+    result: dict[str, Any] = {
+        "world_size": world, "global_batch_size": config.global_batch_size,
+        "step_ms": pace_seconds(configured, STEP_PHASES) * 1e3,
+        "samples_per_second": config.global_batch_size / pace_seconds(configured, STEP_PHASES),
+        "communication_overhead_percent": max(comm, 0.0),
+        "exposed_communication_wait_percent": percent(
+            statistics.median(_median_of(r, ("comm_wait",)) for r in configured["ranks"]), pace),
+        "input_overhead_percent": max(io, 0.0),
+    }
+    if "one_slot" in profiles:
+        single = pace_seconds(profiles["one_slot"], STEP_PHASES)
+        result["scaling_efficiency_percent"] = percent(single, pace_seconds(configured, STEP_PHASES))
+        result["one_slot_samples_per_second"] = (config.global_batch_size // world) / single
+    computes = [_median_of(rank, COMPUTE_PHASES) for rank in configured["ranks"]]
+    slowest = max(range(len(computes)), key=computes.__getitem__)
+    others = [c for i, c in enumerate(computes) if i != slowest] or computes
+    typical = statistics.median(others)
+    result["rank_compute_ms"] = [c * 1e3 for c in computes]
+    result["slowest_rank"] = {"rank": slowest, "compute_ms": computes[slowest] * 1e3,
+                              "slower_than_others_percent": percent(computes[slowest] - typical, typical),
+                              "others_wait_percent": percent(computes[slowest] - typical, pace)}
+    result["findings"], result["advice"] = _findings(config, result)
+    result["bottleneck"] = result["findings"][0]["name"] if result["findings"] else "compute"
+    result["verdict"] = verdict_lines(result)
+    return result
+
+
+def _findings(config: ExperimentConfig, d: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Costs of at least BOTTLENECK_PERCENT of the step, largest first, and what to do about each."""
+    found: list[tuple[float, str, str]] = []
+    comm = d["communication_overhead_percent"]
+    if comm >= BOTTLENECK_PERCENT and d["world_size"] > 1:
+        k = config.optimizations.aggregation_frequency
+        fixes = [f"raise optimizations.aggregation_frequency (now {k}) to communicate every k-th batch",
+                 f"use a larger per-slot batch (global_batch_size now {config.global_batch_size})",
+                 "set optimizations.auto_tune_tensor_fusion: true"]
+        if is_built("distributed.compression.name", "fp16"):
+            fixes.append("compress gradients (distributed.compression: {name: fp16} or powersgd)")
+        found.append((comm, "communication", "; ".join(fixes)))
+    io = d["input_overhead_percent"]
+    if io >= BOTTLENECK_PERCENT:
+        found.append((io, "input pipeline",
+                      f"raise data_loader.num_workers (now {config.data_loader.num_workers}); keep decoded data in "
+                      "memory (ArrayDataset hands out whole batches); move per-record work out of __getitem__"))
+    slow = d["slowest_rank"]
+    if d["world_size"] > 1 and slow["others_wait_percent"] >= BOTTLENECK_PERCENT:
+        found.append((slow["others_wait_percent"], f"slowest rank {slow['rank']}",
+                      f"rank {slow['rank']} computes {slow['slower_than_others_percent']:.0f}% slower than the others "
+                      "and they wait for it: look for other load on its machine or device (logs/rank-"
+                      f"{slow['rank']}.log), or give slower ranks smaller batches (per-rank batch sizes)"))
+    found.sort(reverse=True)
+    return ([{"name": name, "percent_of_step": share} for share, name, _ in found],
+            [f"{name}: {fix}" for _, name, fix in found])
+
+
+def verdict_lines(d: Mapping[str, Any]) -> list[str]:
+    """The printed verdict: the bottleneck first, then every number."""
+    if d["findings"]:
+        top = d["findings"][0]
+        head = f"bottleneck: {top['name']} ({top['percent_of_step']:.0f}% of the step)"
+    else:
+        head = f"no bottleneck above {BOTTLENECK_PERCENT:.0f}% of the step: the run is compute-bound"
+    lines = [head,
+             f"communication overhead {d['communication_overhead_percent']:.1f}% of the step "
+             f"(exposed wait {d['exposed_communication_wait_percent']:.1f}%)",
+             f"input-pipeline overhead {d['input_overhead_percent']:.1f}%"]
+    if "scaling_efficiency_percent" in d:
+        lines.append(f"scaling efficiency {d['scaling_efficiency_percent']:.0f}% ({d['samples_per_second']:,.0f} "
+                     f"samples/s on {d['world_size']} slots vs {d['one_slot_samples_per_second']:,.0f} on 1)")
+    slow = d["slowest_rank"]
+    if d["world_size"] > 1:
+        lines.append(f"slowest rank {slow['rank']}: compute {slow['compute_ms']:.1f} ms per step, "
+                     f"{slow['slower_than_others_percent']:.0f}% slower than the others")
+    return lines

@@ -1,0 +1,76 @@
+"""The profiler in a real 2-process run: the phase timers add up to the step time, the exposed communication
+wait is measured, and the timeline is valid Chrome-trace JSON with a span per phase and per gradient bucket."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from dtrain.comm import Topology, barrier
+from dtrain.config import load_config
+from dtrain.profile import PHASES
+from dtrain.train.rundir import load_run_info, prepare_run_dir
+from dtrain.train.trainer import Trainer
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+STEPS, BEGIN, END = 16, 4, 7
+
+RAW: dict[str, Any] = {
+    "name": "profile", "entrypoint": "digits_trial:DigitsTrial",
+    "hyperparameters": {"global_batch_size": 64, "learning_rate": 0.1, "hidden": 8192},
+    "resources": {"slots_per_trial": 2}, "scheduling_unit": 5,
+    "searcher": {"metric": "accuracy", "smaller_is_better": False, "max_length": {"batches": STEPS}},
+    "min_validation_period": {"batches": 8}, "min_checkpoint_period": {"batches": 8},
+    "optimizations": {"tensor_fusion_threshold": 0.3},  # 2 buckets: [8192x10 weight], [the 64x8192 one]
+    "profiling": {"enabled": True, "begin_on_batch": BEGIN, "end_after_batch": END},
+}
+
+
+def _profiled_run(topology: Topology, run_dir: str) -> dict[str, Any]:
+    sys.path.insert(0, str(FIXTURES))
+    from digits_trial import DigitsTrial
+
+    config = load_config(None, raw=RAW).config
+    if topology.rank == 0:
+        prepare_run_dir(config, Path(run_dir), FIXTURES)
+    barrier()
+    trainer = Trainer(config=config, trial_class=DigitsTrial, topology=topology, run_info=load_run_info(Path(run_dir)))
+    summary = trainer.fit()
+    records = trainer.profiler.timer.records
+    return {"summary": summary, "phase_sum": sum(sum(r.phases.values()) for r in records),
+            "step_sum": sum(r.seconds for r in records), "steps": [r.step for r in records],
+            "comm_wait": [r.phases.get("comm_wait", 0.0) for r in records],
+            "checkpoint_steps": [r.step for r in records if "checkpoint" in r.phases]}
+
+
+def test_phase_timers_add_up_and_the_timeline_is_a_chrome_trace(spawn: Any, tmp_path: Path) -> None:
+    results = spawn(_profiled_run, 2, str(tmp_path / "run"))
+    for rank, result in enumerate(results):
+        assert result["steps"] == list(range(1, STEPS + 1))
+        assert abs(result["phase_sum"] - result["step_sum"]) <= 0.05 * result["step_sum"], (rank, result)
+        assert result["checkpoint_steps"] == [8, 16]
+        assert all(wait >= 0 for wait in result["comm_wait"]) and sum(result["comm_wait"]) > 0
+    profile = results[0]["summary"]["profile"]
+    assert [entry["rank"] for entry in profile["ranks"]] == [0, 1]
+    assert all(set(PHASES) <= set(entry["mean_seconds"]) and entry["samples_per_second"] > 0
+               for entry in profile["ranks"])
+
+    for rank in (0, 1):
+        path = tmp_path / "run" / "timeline" / f"rank-{rank}.trace.json"
+        assert str(path) in profile["timelines"]
+        trace = json.loads(path.read_text())
+        spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+        assert all(isinstance(e["ts"], float) and e["dur"] >= 0 and e["pid"] == rank for e in spans)
+        assert {e["args"]["step"] for e in spans} == set(range(BEGIN, END + 1))
+        names = {e["name"] for e in spans}
+        assert {"data", "forward", "backward", "comm_wait", "optimizer", "report"} <= names
+        assert {f"step {s}" for s in range(BEGIN, END + 1)} <= names
+        buckets = [e for e in spans if e["name"].startswith("allreduce bucket ")]
+        assert buckets and all(e["tid"] == 1 for e in buckets)
+        assert len({e["args"]["bucket"] for e in buckets}) >= 2
+        for step in range(BEGIN, END + 1):  # every phase span lies inside its step's span
+            outer = next(e for e in spans if e["name"] == f"step {step}")
+            for inner in (e for e in spans if e["args"]["step"] == step and e is not outer and e["tid"] == 0):
+                assert outer["ts"] - 1 <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"] + 1
