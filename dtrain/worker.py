@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         return FATAL_EXIT_CODE
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from dtrain.errors import DtrainError
+    from dtrain.errors import DtrainError, StallError
 
     @record
     def guarded() -> int:
@@ -187,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dtrain: rank {os.environ.get('RANK', '?')}: another worker is gone ({_first_line(exc)}); "
                   "stopping so that the workers can be restarted from the latest checkpoint", file=sys.stderr,
                   flush=True)
+            return 1
+        except StallError as exc:
+            # a rank stopped answering: like a lost worker, a restart from the latest checkpoint may get past it
+            logging.getLogger("dtrain").error("%s", exc, extra={"console": False})
+            print(f"dtrain: {exc}; stopping so that the workers can be restarted from the latest checkpoint",
+                  file=sys.stderr, flush=True)
             return 1
         except DtrainError as exc:
             rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))

@@ -50,27 +50,43 @@ def synthetic_like(sample: Sequence[torch.Tensor], num_records: int, seed: int =
 
 class ReplayDataset(Dataset):
     """A dataset of `length` records that cycles through a small in-memory pool (random data of the real data's
-    shapes): training on it costs no input pipeline at all, which is what `debug.synthetic_data` measures."""
+    shapes): training on it costs no input pipeline at all, which is what `debug.synthetic_data` measures.
+    Records keep the real records' structure: a tuple of fields (no `keys`), one tensor (`keys` None) or a dict of
+    fields named by `keys`."""
 
     returns_batches = True
 
-    def __init__(self, pool: ArrayDataset, length: int) -> None:
+    def __init__(self, pool: ArrayDataset, length: int, keys: Sequence[str] | None = ()) -> None:
         self.pool = pool
         self.length = length
+        self.keys = keys
 
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
-        return self.pool[index % len(self.pool)]
+    def __getitem__(self, index: int) -> Any:
+        return self._pack(self.pool[index % len(self.pool)])
 
-    def __getitems__(self, indices: Sequence[int]) -> tuple[torch.Tensor, ...]:
-        return self.pool.__getitems__([i % len(self.pool) for i in indices])
+    def __getitems__(self, indices: Sequence[int]) -> Any:
+        return self._pack(self.pool.__getitems__([i % len(self.pool) for i in indices]))
+
+    def _pack(self, fields: tuple[torch.Tensor, ...]) -> Any:
+        if self.keys is None:
+            return fields[0]
+        if self.keys:
+            return dict(zip(self.keys, fields, strict=True))
+        return fields
 
 
 def synthetic_replay(dataset: Any, pool_size: int = 1024) -> ReplayDataset:
-    """Random data with the shapes and dtypes of `dataset[0]`, as long as `dataset`, from a pool of
+    """Random data with the structure, shapes and dtypes of `dataset[0]`, as long as `dataset`, from a pool of
     `pool_size` records."""
     sample = dataset[0]
-    items = sample if isinstance(sample, (tuple, list)) else (sample,)
-    return ReplayDataset(synthetic_like(items, min(pool_size, len(dataset))), len(dataset))
+    keys: Sequence[str] | None = ()
+    if isinstance(sample, dict):
+        keys, items = list(sample), list(sample.values())
+    elif isinstance(sample, (tuple, list)):
+        items = list(sample)
+    else:
+        keys, items = None, [sample]
+    return ReplayDataset(synthetic_like(items, min(pool_size, len(dataset))), len(dataset), keys)

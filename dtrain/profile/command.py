@@ -44,7 +44,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
 
     from dtrain.config import check_buildable, load_config
     from dtrain.profile.chart import write_phase_chart
-    from dtrain.profile.diagnose import NO_COMMUNICATION_K, analyse, trial_plans
+    from dtrain.profile.diagnose import analyse, trial_plans
     from dtrain.train.rundir import runs_root
 
     if args.steps < 5:
@@ -53,13 +53,6 @@ def run_diagnose(args: argparse.Namespace) -> int:
     loaded = load_config(args.config, args.overrides)
     config = loaded.config
     check_buildable(config)
-    ps = config.distributed.parameter_server
-    if config.distributed.strategy == "parameter_server" and (ps.mode != "sync" or ps.backup_workers):
-        raise DiagnoseError(f"dtrain diagnose measures communication with a trial at aggregation_frequency "
-                            f"{NO_COMMUNICATION_K}, which parameter_server mode `{ps.mode}`"
-                            f"{' with backup workers' if ps.backup_workers else ''} does not run; diagnose with "
-                            "`--set distributed.parameter_server.mode=sync --set "
-                            "distributed.parameter_server.backup_workers=0`, then compare")
     out = args.out or runs_root() / config.name / time.strftime("diagnose-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     plans = trial_plans(config, args.steps)

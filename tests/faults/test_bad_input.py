@@ -123,9 +123,6 @@ CLI_CASES: dict[str, tuple[list[str], str]] = {
     "unknown-command": (["train", "{config}"], "invalid choice: 'train'"),
     "diagnose-too-few-steps": (["diagnose", "{config}", "--steps", "3", "--out", "{tmp}/diagnosis"],
                                "--steps 3 is too short to time"),
-    "diagnose-async-parameter-server": (["diagnose", "{config}", "--set", "distributed.strategy=parameter_server",
-                                         "--set", "distributed.parameter_server.mode=async", "--out",
-                                         "{tmp}/diagnosis"], "parameter_server mode `async` does not run"),
 }
 
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from dtrain.config import Debug, load_config
-from dtrain.errors import ConfigError, TrainingDiverged
+from dtrain.errors import ConfigError, StallError, TrainingDiverged
 from dtrain.train import checkpoint as ckpt
 from dtrain.train import faults
 from dtrain.train import guard as guard_module
@@ -101,6 +102,45 @@ def test_nan_goes_into_one_gradient_of_the_named_rank_at_the_named_batches() -> 
     assert not FaultInjector(Debug(nan_rank=1, nan_batches=[4]), rank=0).corrupt_gradients(4, model)
     assert injector.corrupt_gradients(4, model)
     assert not gradients_finite(model.parameters())
+
+
+def _before_step_in_a_thread(injector: FaultInjector, step: int) -> tuple[threading.Thread, list[BaseException]]:
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            injector.before_step(step)
+        except StallError as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, raised
+
+
+def test_a_hang_blocks_until_released_then_raises() -> None:
+    injector = FaultInjector(Debug(hang_rank=1, hang_at_step=3), rank=1)
+    thread, raised = _before_step_in_a_thread(injector, 3)
+    thread.join(0.15)
+    assert thread.is_alive() and raised == []  # hung
+    injector.release.set()  # the run gave up on this rank
+    thread.join(2.0)
+    assert not thread.is_alive()
+    [error] = raised
+    assert str(error).startswith("rank 1 hung before batch 3 (debug.hang_rank) and was stopped")
+    assert "\n" not in str(error)
+
+
+@pytest.mark.parametrize(("debug", "rank", "step"), [
+    (Debug(hang_rank=1, hang_at_step=3), 0, 3),  # another rank
+    (Debug(hang_rank=1, hang_at_step=3), 1, 2),  # another step
+    (Debug(hang_rank=1, hang_at_step=3), 1, 4),
+    (Debug(), 0, 1),  # no hang configured
+])
+def test_a_hang_blocks_no_other_rank_or_step(debug: Debug, rank: int, step: int) -> None:
+    thread, raised = _before_step_in_a_thread(FaultInjector(debug, rank=rank), step)
+    thread.join(2.0)
+    assert not thread.is_alive() and raised == []
 
 
 @pytest.mark.parametrize(("debug", "message"), [

@@ -1,0 +1,222 @@
+"""`dtrain diagnose` without running trials: the trials it plans (every override accepted by the config loader, as
+`dtrain run --set` applies them) and the analysis of hand-built profiles, checked against figures computed here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dtrain.config import ExperimentConfig, check_buildable, load_config
+from dtrain.profile.diagnose import BOTTLENECK_PERCENT, NO_COMMUNICATION_K, analyse, trial_plans, verdict_lines
+from tests.conftest import FIXTURES
+
+CONFIG = FIXTURES / "digits.yaml"  # 2 slots, global batch 64
+
+
+def load(*overrides: str) -> ExperimentConfig:
+    config = load_config(CONFIG, overrides).config
+    check_buildable(config)
+    return config
+
+
+# ------------------------------------------------------------------------------------------ trial plans
+
+
+def test_two_slots_get_four_trials_with_the_promised_overrides() -> None:
+    config = load()
+    plans = trial_plans(config, steps=12)
+    assert [plan.name for plan in plans] == ["configured", "no_communication", "synthetic_data", "one_slot"]
+    trials = {plan.name: load(*plan.overrides) for plan in plans}
+    for trial in trials.values():  # the common part: a short run that only trains and times its phases
+        assert trial.searcher.max_length.batches == 12 and trial.scheduling_unit == 12
+        assert trial.min_validation_period.batches == 0 and trial.min_checkpoint_period.batches == 0
+        assert trial.checkpoint_policy == "none" and trial.perform_initial_validation is False
+        assert trial.max_restarts == 0 and trial.debug.stop_after_batch is None
+        assert trial.profiling.phase_timers is True and trial.profiling.enabled is False
+    configured = trials["configured"]
+    assert (configured.resources.world_size, configured.global_batch_size) == (2, 64)
+    assert configured.optimizations.aggregation_frequency == 1 and not configured.debug.synthetic_data
+    assert trials["no_communication"].optimizations.aggregation_frequency == NO_COMMUNICATION_K == 1000
+    assert trials["synthetic_data"].debug.synthetic_data is True
+    one_slot = trials["one_slot"]
+    assert one_slot.resources.world_size == 1 and one_slot.global_batch_size == 64 // 2  # same per-slot batch
+    # each trial changes one thing against the configured one
+    for name, changed in [("no_communication", "optimizations"), ("synthetic_data", "debug"),
+                          ("one_slot", "resources")]:
+        differ = {key for key, value in trials[name].model_dump().items() if configured.model_dump()[key] != value}
+        assert differ == ({changed, "hyperparameters"} if name == "one_slot" else {changed}), name
+
+
+def test_one_slot_gets_three_trials_and_an_uneven_batch_keeps_its_per_slot_size() -> None:
+    assert [p.name for p in trial_plans(load("resources.slots_per_trial=1"), 8)] == [
+        "configured", "no_communication", "synthetic_data"]
+    [one_slot] = [p for p in trial_plans(load("hyperparameters.global_batch_size=65"), 8) if p.name == "one_slot"]
+    assert load(*one_slot.overrides).global_batch_size == 32  # each of the 2 slots trains on 65 // 2 = 32
+
+
+@pytest.mark.parametrize("faults", [
+    ("debug.slow_rank=1", "debug.slow_factor=2"),
+    ("debug.hang_rank=1", "debug.hang_at_step=3"),
+    ("debug.nan_rank=1", "debug.nan_batches=[3]"),
+    ("debug.kills=[{rank: 1, batch: 5}, {rank: 0, batch: 7}]",),
+])
+def test_faults_aimed_at_other_ranks_are_dropped_from_the_one_slot_trial(faults: tuple[str, ...]) -> None:
+    config = load(*faults)
+    plans = {plan.name: plan for plan in trial_plans(config, 10)}
+    for name, plan in plans.items():
+        trial = load(*faults, *plan.overrides)  # what `dtrain run --set` gets for this trial
+        ranks = trial.debug.ranks()
+        if name == "one_slot":
+            assert all(rank == 0 for rank in ranks.values()), ranks
+        else:
+            assert ranks == config.debug.ranks(), name  # the two-slot trials keep every fault
+    one_slot = load(*faults, *plans["one_slot"].overrides)
+    assert [(kill.rank, kill.batch) for kill in one_slot.debug.kills] == [
+        (kill.rank, kill.batch) for kill in config.debug.kills if kill.rank == 0]
+
+
+def test_faults_on_rank_zero_stay_in_the_one_slot_trial() -> None:
+    faults = ("debug.slow_rank=0", "debug.slow_factor=3", "debug.hang_rank=0")
+    [one_slot] = [p for p in trial_plans(load(*faults), 10) if p.name == "one_slot"]
+    trial = load(*faults, *one_slot.overrides)
+    assert (trial.debug.slow_rank, trial.debug.slow_factor, trial.debug.hang_rank) == (0, 3.0, 0)
+
+
+@pytest.mark.parametrize("strategy", [
+    ("distributed.parameter_server.backup_workers=1",),
+    ("distributed.parameter_server.mode=async",),
+    ("distributed.parameter_server.mode=ssp", "distributed.parameter_server.staleness=2"),
+])
+def test_every_trial_of_a_parameter_server_run_is_a_valid_config(strategy: tuple[str, ...]) -> None:
+    overrides = ("distributed.strategy=parameter_server", *strategy)
+    configured = load(*overrides).distributed.parameter_server
+    for plan in trial_plans(load(*overrides), 10):
+        trial = load(*overrides, *plan.overrides)
+        assert trial.distributed.strategy == "parameter_server", plan.name
+        server = trial.distributed.parameter_server
+        if plan.name == "no_communication":  # k > 1 needs sync mode without backups; the mode hardly matters then
+            assert trial.optimizations.aggregation_frequency == NO_COMMUNICATION_K
+            assert (server.mode, server.backup_workers) == ("sync", 0)
+        elif plan.name == "one_slot":  # one worker cannot have a backup
+            assert (server.mode, server.backup_workers) == (configured.mode, 0)
+        else:
+            assert server == configured, plan.name
+
+
+# ---------------------------------------------------------------------------------------------- analyse
+
+
+def rank(data: float, forward: float, backward: float, comm_wait: float = 0.0, optimizer: float = 0.0,
+         steps: int = 10) -> dict[str, Any]:
+    """One rank's part of summary.json's `profile`, as the Profiler writes it (only what analyse reads)."""
+    return {"steps": steps, "median_seconds": {"data": data, "forward": forward, "backward": backward,
+                                               "comm_wait": comm_wait, "optimizer": optimizer, "report": 0.0}}
+
+
+def profiles(configured: list[dict[str, Any]], no_communication: list[dict[str, Any]],
+             synthetic_data: list[dict[str, Any]], one_slot: list[dict[str, Any]] | None = None
+             ) -> dict[str, dict[str, Any]]:
+    found = {"configured": {"ranks": configured}, "no_communication": {"ranks": no_communication},
+             "synthetic_data": {"ranks": synthetic_data}}
+    if one_slot is not None:
+        found["one_slot"] = {"ranks": one_slot}
+    return found
+
+
+def test_a_communication_bound_run() -> None:
+    same = rank(0.01, 0.02, 0.03, comm_wait=0.04, optimizer=0.01)
+    result = analyse(load(), profiles(
+        configured=[same, same],
+        no_communication=[rank(0.01, 0.02, 0.03, optimizer=0.01)] * 2,
+        synthetic_data=[rank(0.001, 0.02, 0.03, comm_wait=0.04, optimizer=0.01)] * 2,
+        one_slot=[rank(0.01, 0.02, 0.03, optimizer=0.01)]))
+    pace, step = 0.10, 0.11  # data+forward+backward+comm_wait; plus the optimizer
+    assert result["communication_overhead_percent"] == pytest.approx(100 * (pace - 0.06) / pace, abs=1e-9)  # 40 %
+    assert result["exposed_communication_wait_percent"] == pytest.approx(100 * 0.04 / pace, abs=1e-9)
+    assert result["input_overhead_percent"] == pytest.approx(100 * 0.009 / pace, abs=1e-9)  # 9 %: below the bar
+    assert result["step_ms"] == pytest.approx(step * 1e3, abs=1e-9)
+    assert result["samples_per_second"] == pytest.approx(64 / step, rel=1e-12)
+    assert result["scaling_efficiency_percent"] == pytest.approx(100 * 0.07 / step, abs=1e-9)  # 63.6 %
+    assert result["one_slot_samples_per_second"] == pytest.approx(32 / 0.07, rel=1e-12)
+    assert result["rank_compute_ms"] == pytest.approx([70.0, 70.0], abs=1e-9)
+    assert result["bottleneck"] == "communication"
+    assert [f["name"] for f in result["findings"]] == ["communication"]
+    [advice] = result["advice"]
+    assert advice.startswith("communication: ") and "optimizations.aggregation_frequency (now 1)" in advice
+    assert result["verdict"] == verdict_lines(result)
+    assert result["verdict"][:4] == [
+        "bottleneck: communication (40% of the step)",
+        "communication overhead 40.0% of the step (exposed wait 40.0%)",
+        "input-pipeline overhead 9.0%",
+        "scaling efficiency 64% (582 samples/s on 2 slots vs 457 on 1)"]
+
+
+def test_an_input_bound_run() -> None:
+    slow_input = rank(0.05, 0.02, 0.02, comm_wait=0.001)
+    result = analyse(load(), profiles(
+        configured=[slow_input, slow_input],
+        no_communication=[rank(0.05, 0.02, 0.02)] * 2,
+        synthetic_data=[rank(0.002, 0.02, 0.02, comm_wait=0.001)] * 2))
+    pace = 0.091
+    assert result["input_overhead_percent"] == pytest.approx(100 * 0.048 / pace, abs=1e-9)  # 52.7 %
+    assert result["communication_overhead_percent"] == pytest.approx(100 * 0.001 / pace, abs=1e-9)
+    assert "scaling_efficiency_percent" not in result  # no one-slot trial
+    assert result["bottleneck"] == "input pipeline"
+    assert [a.split(":")[0] for a in result["advice"]] == ["input pipeline"]
+    assert "data_loader.num_workers (now 0)" in result["advice"][0]
+    assert "input-pipeline overhead 52.7%" in result["verdict"]
+    assert result["verdict"][0] == "bottleneck: input pipeline (53% of the step)"
+
+
+def test_a_straggler_run_names_the_slowest_rank() -> None:
+    result = analyse(load(), profiles(
+        configured=[rank(0.01, 0.02, 0.02, comm_wait=0.03), rank(0.01, 0.02, 0.05)],  # rank 0 waits for rank 1
+        no_communication=[rank(0.01, 0.02, 0.02), rank(0.01, 0.02, 0.05)],  # each at its own pace, the job at 1's
+        synthetic_data=[rank(0.01, 0.02, 0.02, comm_wait=0.03), rank(0.01, 0.02, 0.05)]))
+    pace = 0.08
+    assert result["communication_overhead_percent"] == pytest.approx(0.0, abs=1e-9)
+    slowest = result["slowest_rank"]
+    assert slowest["rank"] == 1 and slowest["compute_ms"] == pytest.approx(80.0, abs=1e-9)
+    assert slowest["slower_than_others_percent"] == pytest.approx(100 * (0.08 - 0.05) / 0.05, abs=1e-9)  # 60 %
+    assert slowest["others_wait_percent"] == pytest.approx(100 * 0.03 / pace, abs=1e-9)  # 37.5 %
+    assert result["bottleneck"] == "slowest rank 1"
+    [advice] = result["advice"]
+    assert advice.startswith("slowest rank 1: rank 1 computes 60% slower") and "logs/rank-1.log" in advice
+    assert result["verdict"][0] == "bottleneck: slowest rank 1 (38% of the step)"
+    assert result["verdict"][-1] == "slowest rank 1: compute 80.0 ms per step, 60% slower than the others"
+
+
+def test_findings_come_largest_first_each_with_its_advice() -> None:
+    configured = rank(0.02, 0.03, 0.03, comm_wait=0.02)  # pace 0.10
+    result = analyse(load(), profiles(
+        configured=[configured, configured],
+        no_communication=[rank(0.02, 0.03, 0.03)] * 2,  # 20 % communication
+        synthetic_data=[rank(0.005, 0.03, 0.03, comm_wait=0.02)] * 2))  # 15 % input
+    assert [(f["name"], round(f["percent_of_step"], 6)) for f in result["findings"]] == [
+        ("communication", 20.0), ("input pipeline", 15.0)]
+    assert [a.split(":")[0] for a in result["advice"]] == ["communication", "input pipeline"]
+    assert result["bottleneck"] == "communication"
+
+
+def test_a_compute_bound_run_has_no_finding_and_negative_overheads_read_as_zero() -> None:
+    configured = rank(0.001, 0.04, 0.05, comm_wait=0.002, optimizer=0.005)  # pace 0.093
+    result = analyse(load(), profiles(
+        configured=[configured, rank(0.001, 0.04, 0.049, comm_wait=0.003, optimizer=0.005)],
+        no_communication=[rank(0.001, 0.041, 0.06)] * 2,  # noise made it slower: no negative overhead
+        synthetic_data=[rank(0.002, 0.04, 0.05, comm_wait=0.002)] * 2))
+    overheads = [result["communication_overhead_percent"], result["input_overhead_percent"],
+                 result["slowest_rank"]["others_wait_percent"]]
+    assert overheads[:2] == [0.0, 0.0] and all(share < BOTTLENECK_PERCENT for share in overheads)
+    assert result["findings"] == [] and result["advice"] == [] and result["bottleneck"] == "compute"
+    assert result["verdict"][0] == "no bottleneck above 10% of the step: the run is compute-bound"
+
+
+def test_one_slot_runs_name_no_communication_or_straggler_bottleneck() -> None:
+    config = load("resources.slots_per_trial=1")
+    result = analyse(config, profiles(configured=[rank(0.01, 0.02, 0.03, comm_wait=0.04)],
+                                      no_communication=[rank(0.01, 0.02, 0.03)],
+                                      synthetic_data=[rank(0.01, 0.02, 0.03, comm_wait=0.04)]))
+    assert result["communication_overhead_percent"] == pytest.approx(40.0, abs=1e-9)  # measured, but not a finding
+    assert result["bottleneck"] == "compute" and result["findings"] == []
+    assert not any(line.startswith(("scaling efficiency", "slowest rank")) for line in result["verdict"])
