@@ -72,8 +72,8 @@ class Profiler:
                 self.timeline.write()
 
     def exposed_comm_seconds(self) -> float:
-        """The communication this step's backward pass has waited for so far, beyond its last gradient bucket."""
-        return self.timer.buckets.exposed_seconds()
+        """The communication this step's backward pass has waited for after its last gradient was ready."""
+        return self.timer.exposed_seconds()
 
     def window_profile(self) -> dict[str, float]:
         """Mean seconds per phase over the steps since the last call, plus records per step."""

@@ -3,8 +3,11 @@ communication wait, optimizer, checkpoint, ...), cheap enough to stay on in ever
 
 Each phase is timed as its own interval, so time no phase covers shows up as a gap between the phases'
 sum and the step's wall time (tests hold it under 5%). The communication a DDP backward pass overlaps
-with computation is not a phase; only the part the rank waits for after its last gradient bucket is
-ready ("comm_wait") is, which `split_backward` cuts from the backward interval using the bucket clock.
+with computation is not a phase; only the part the rank waits for after its last gradient is ready
+("comm_wait") is, which `split_backward` cuts from the backward interval using the bucket clock. The clock
+learns when gradients are ready in one of two ways: from a hook on every parameter's gradient accumulation
+(cheap: DDP's own C++ all-reduce keeps running, no Python in the communication), or, when the timeline
+wants a span per bucket, from dtrain's comm hook, which also tells when each bucket's collective finished.
 """
 
 from __future__ import annotations
@@ -49,11 +52,16 @@ class Activity:
 
 @dataclass
 class BucketClock:
-    """Times of the gradient buckets' communication in the current backward pass: each bucket's index, when it
-    was ready (its hook ran) and when its collective finished. Written by the comm hook, read by the timer."""
+    """When the current backward pass's gradients were ready for communication, and, with dtrain's comm hook,
+    each bucket's index, ready time and the time its collective finished. Written by the sync strategy's hooks
+    (`gradient_ready` per parameter, or `bucket_ready`/`bucket_done` per bucket), read by the timer."""
 
     clock: Callable[[], float] = time.perf_counter
     spans: list[list[Any]] = field(default_factory=list)  # [index, ready, done or None]
+    last_gradient: float | None = None  # when the latest gradient of a communicating backward pass was ready
+
+    def gradient_ready(self) -> None:
+        self.last_gradient = self.clock()
 
     def bucket_ready(self, index: int) -> int:
         self.spans.append([index, self.clock(), None])
@@ -62,15 +70,19 @@ class BucketClock:
     def bucket_done(self, slot: int) -> None:
         self.spans[slot][2] = self.clock()
 
-    def exposed_seconds(self) -> float:
-        """How long communication went on after the last bucket was ready (0 before any bucket finished)."""
+    def exposed_seconds(self, backward_end: float | None = None) -> float:
+        """How long the rank waited for communication after its last gradient was ready: with bucket spans,
+        until the last collective finished (0 before any finished); with gradient times only, until the
+        backward pass ended at `backward_end` (0 without it)."""
         finished = [done for _, _, done in self.spans if done is not None]
-        if not finished:
+        if finished:
+            return max(0.0, max(finished) - max(ready for _, ready, _ in self.spans))
+        if self.spans or self.last_gradient is None or backward_end is None:
             return 0.0
-        return max(0.0, max(finished) - max(ready for _, ready, _ in self.spans))
+        return max(0.0, backward_end - self.last_gradient)
 
     def take(self) -> list[tuple[int, float, float | None]]:
-        spans, self.spans = self.spans, []
+        spans, self.spans, self.last_gradient = self.spans, [], None
         return [(int(i), float(ready), done) for i, ready, done in spans]
 
 
@@ -90,6 +102,7 @@ class StepTimer:
         self._step = 0
         self._start = 0.0
         self._phases: dict[str, float] = {}
+        self._backward_end: float | None = None
 
     def set_span_sink(self, sink: Callable[[str, float, float, int], None] | None) -> None:
         self._on_span = sink
@@ -97,6 +110,7 @@ class StepTimer:
     def begin_step(self, step: int) -> None:
         self._step = step
         self._phases = {}
+        self._backward_end = None
         self._start = self.clock()
 
     @contextmanager
@@ -114,15 +128,21 @@ class StepTimer:
                 self._synchronize()
             end = self.clock()
             self._phases[name] = self._phases.get(name, 0.0) + (end - start)
+            if name == "backward":
+                self._backward_end = end
             if self._on_span is not None:
                 self._on_span(name, start, end, self._step)
 
+    def exposed_seconds(self) -> float:
+        """The communication this step's backward pass has waited for after its last gradient was ready."""
+        return self.buckets.exposed_seconds(self._backward_end)
+
     def split_backward(self) -> list[tuple[int, float, float | None]]:
-        """Move the part of this step's backward time after the last bucket was ready into `comm_wait`: the
+        """Move the part of this step's backward time after the last gradient was ready into `comm_wait`: the
         communication the backward pass could not hide. Return the buckets' spans (for the timeline)."""
-        exposed = self.buckets.exposed_seconds()
+        exposed = self.exposed_seconds()
         spans = self.buckets.take()
-        if not self.enabled or not spans or "backward" not in self._phases:
+        if not self.enabled or "backward" not in self._phases:
             return spans
         if exposed > 0:
             exposed = min(exposed, self._phases["backward"])

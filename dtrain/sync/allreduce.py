@@ -2,9 +2,9 @@
 communication with the rest of the backward pass; dtrain decides what a bucket's communication is (average,
 sum or Adasum, through `hooks.combine_bucket`) and how big buckets are (fixed, or tuned while training).
 
-With op `average` and no compressor the reducer's own C++ all-reduce runs (no Python in the backward
-pass); any other op or a compressor registers dtrain's comm hook. Every replica applies the same combined gradient, so
-the replicas stay identical.
+With op `average` and no compressor the reducer's own C++ all-reduce runs (no Python in the communication);
+any other op, a compressor or a profiler timeline that wants a span per bucket registers dtrain's comm hook.
+Every replica applies the same combined gradient, so the replicas stay identical.
 """
 
 from __future__ import annotations
@@ -103,6 +103,8 @@ class AllReduceStrategy:
         self._replica: Replica | None = None
         self._last_step_end: float | None = None
         self._observer: BucketObserver | None = None
+        self._observe_per_bucket = False
+        self._gradient_hooks: list[torch.utils.hooks.RemovableHandle] = []
 
     # ------------------------------------------------------------------------------------ protocol
 
@@ -120,6 +122,8 @@ class AllReduceStrategy:
         names = [name for name, p in model.named_parameters() if p.requires_grad]  # DDP's parameter indices
         self._gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         self._replica = Replica(self._build_ddp(model, init_sync=True), names)
+        if self._observer is not None and not self._hooked:
+            self._observe_gradients(self._observer)
         return self._replica
 
     def unwrap_model(self) -> nn.Module:
@@ -189,10 +193,31 @@ class AllReduceStrategy:
     def close(self) -> None:
         self._replica = None
 
-    def observe_buckets(self, observer: BucketObserver) -> None:
-        """Report each gradient bucket's ready and done times to `observer` (the profiler); call before
-        wrap_model. The buckets then go through dtrain's comm hook even for a plain average."""
+    def observe_buckets(self, observer: BucketObserver | None, *, per_bucket: bool = False) -> None:
+        """Tell `observer` (the profiler's bucket clock) when gradients are ready for communication. Where
+        dtrain's comm hook runs anyway, and with `per_bucket` (a timeline's bucket spans), it reports each
+        bucket's ready and done times, so a plain average then goes through the comm hook too (decided by
+        wrap_model: call before it); otherwise a hook on each parameter's gradient accumulation reports when
+        it is ready, and DDP's own C++ all-reduce keeps running. None stops the parameter hooks."""
+        for handle in self._gradient_hooks:
+            handle.remove()
+        self._gradient_hooks = []
         self._observer = observer
+        self._observe_per_bucket = per_bucket
+        if observer is not None and self._replica is not None and not self._hooked:
+            self._observe_gradients(observer)
+
+    def _observe_gradients(self, observer: BucketObserver) -> None:
+        """Report the time of every gradient accumulated in a backward pass that communicates (not under
+        no_sync): the last one is when the rank's own work was done and its wait for the others began."""
+        assert self._model is not None
+
+        def ready(_: torch.Tensor) -> None:
+            if self._replica is not None and self._replica.ddp.require_backward_grad_sync:
+                observer.gradient_ready()
+
+        self._gradient_hooks = [parameter.register_post_accumulate_grad_hook(ready)
+                                for parameter in self._model.parameters() if parameter.requires_grad]
 
     # ------------------------------------------------------------------------------------- internals
 
@@ -206,9 +231,9 @@ class AllReduceStrategy:
         ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb_list=caps,  # type: ignore[arg-type]
                                       find_unused_parameters=self.find_unused_parameters,
                                       gradient_as_bucket_view=True, batched_grad_copy=True, init_sync=init_sync)
-        # The profiler's observer needs a hook even for a plain average (dtrain's hook then does what DDP's
+        # A timeline's bucket spans need a hook even for a plain average (dtrain's hook then does what DDP's
         # built-in all-reduce does, and times each bucket).
-        self._hooked = (self._observer is not None or self.op != "average"
+        self._hooked = ((self._observer is not None and self._observe_per_bucket) or self.op != "average"
                         or not isinstance(self.compressor, NoCompression))
         if self._hooked:
             trainable = [p for p in model.parameters() if p.requires_grad]

@@ -141,8 +141,11 @@ def combine_bucket(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
 
 
 class BucketObserver(Protocol):
-    """Told when a gradient bucket is ready for communication and when its collective finished (the profiler's
-    bucket clock): `bucket_ready` returns a slot that `bucket_done` gets back."""
+    """The profiler's bucket clock: told when a gradient is ready (`gradient_ready`, from a parameter hook), or
+    when a gradient bucket is ready for communication and when its collective finished (from the comm hook):
+    `bucket_ready` returns a slot that `bucket_done` gets back."""
+
+    def gradient_ready(self) -> None: ...
 
     def bucket_ready(self, index: int) -> int: ...
 

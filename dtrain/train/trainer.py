@@ -246,7 +246,7 @@ class Trainer:
                                  synchronize=torch.cuda.synchronize if device.type == "cuda" else None)
         observe = getattr(self.strategy, "observe_buckets", None)  # optional in the SyncStrategy protocol
         if self.profiler.enabled and observe is not None and self.topology.is_distributed:
-            observe(self.profiler.timer.buckets)
+            observe(self.profiler.timer.buckets, per_bucket=self.profiler.timeline is not None)
 
     def _build_optimizer(self) -> None:
         """The Trial's optimizer and scheduler (`large_batch.optimizer: trial`), or the config's optimizer; either
@@ -416,11 +416,11 @@ class Trainer:
                         boundary = s.plan.is_boundary(step) or step == s.total_batches
                         batch = move_to_device(next(batches), self.topology.device, self.channels_last)
                     self.wrapped.train()
-                    self.faults.before_compute()
-                    compute_start = time.perf_counter()
                     # A forward pass under no_sync leaves the backward pass unsynchronized too.
                     with nullcontext() if boundary else self.strategy.no_sync():
                         with self.profiler.phase("forward"):
+                            self.faults.before_compute()  # a straggler's slower device: its delay is compute
+                            compute_start = time.perf_counter()
                             outputs = self.trial.train_batch(batch, self.wrapped)
                             loss = self._loss(outputs)
                         with self.profiler.phase("backward"):

@@ -74,3 +74,37 @@ def test_phase_timers_add_up_and_the_timeline_is_a_chrome_trace(spawn: Any, tmp_
             outer = next(e for e in spans if e["name"] == f"step {step}")
             for inner in (e for e in spans if e["args"]["step"] == step and e is not outer and e["tid"] == 0):
                 assert outer["ts"] - 1 <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"] + 1
+
+
+def _timed_run_with_a_straggler(topology: Topology, run_dir: str) -> dict[str, Any]:
+    """Phase timers only (no timeline), rank 1 slowed down: DDP keeps its own all-reduce (no comm hook)."""
+    sys.path.insert(0, str(FIXTURES))
+    from digits_trial import DigitsTrial
+
+    raw = {**RAW, "name": "timers", "profiling": {"enabled": False}, "debug": {"slow_rank": 1, "slow_factor": 4.0},
+           "min_validation_period": {"batches": 0}, "min_checkpoint_period": {"batches": 0}}
+    config = load_config(None, raw=raw).config
+    if topology.rank == 0:
+        prepare_run_dir(config, Path(run_dir), FIXTURES)
+    barrier()
+    trainer = Trainer(config=config, trial_class=DigitsTrial, topology=topology, run_info=load_run_info(Path(run_dir)))
+    trainer.fit()
+    records = trainer.profiler.timer.records[2:]  # past the warm-up steps (the straggler starts in step 2)
+    ddp = trainer.wrapped.ddp  # the Replica the Trainer ran
+    return {"comm_hooks": len(ddp._comm_hooks),
+            "phase_sum": sum(sum(r.phases.values()) for r in records), "step_sum": sum(r.seconds for r in records),
+            "comm_wait": sum(r.phases.get("comm_wait", 0.0) for r in records) / len(records),
+            "forward": sum(r.phases.get("forward", 0.0) for r in records) / len(records)}
+
+
+def test_timers_without_a_timeline_keep_ddps_allreduce_and_see_the_wait_for_a_straggler(
+        spawn: Any, tmp_path: Path) -> None:
+    fast, slow = spawn(_timed_run_with_a_straggler, 2, str(tmp_path / "run"))
+    for result in (fast, slow):
+        assert result["comm_hooks"] == 0, "the phase timers alone registered a Python comm hook"
+        assert abs(result["phase_sum"] - result["step_sum"]) <= 0.05 * result["step_sum"], result
+    delay = slow["forward"] - fast["forward"]  # the straggler's injected delay is part of its forward phase
+    assert delay > 0.5 * slow["forward"], (fast, slow)
+    # the fast rank waits for the straggler in its backward pass's all-reduce, after its own last gradient
+    assert fast["comm_wait"] >= 0.5 * delay, (fast, slow)
+    assert slow["comm_wait"] < 0.25 * fast["comm_wait"], (fast, slow)

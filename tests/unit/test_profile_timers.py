@@ -131,6 +131,49 @@ def test_split_backward_moves_nothing_without_a_finished_bucket_or_with_one_done
     assert record.phases == pytest.approx({"backward": 1.0}, abs=TOL)
 
 
+def test_split_backward_with_gradient_times_moves_the_rest_of_backward_after_the_last_gradient() -> None:
+    clock = FakeClock(0.0)
+    timer = StepTimer(clock=clock)
+    timer.begin_step(1)
+    with timer.phase("backward"):  # 0.0 .. 1.5; gradients ready at 0.25 and 0.5, then DDP waits for the others
+        clock.advance(0.25)
+        timer.buckets.gradient_ready()
+        clock.advance(0.25)
+        timer.buckets.gradient_ready()
+        clock.advance(1.0)
+    assert timer.exposed_seconds() == pytest.approx(1.0, abs=TOL)
+    with timer.phase("optimizer"):  # later phases do not move the backward pass's end
+        clock.advance(0.5)
+    assert timer.split_backward() == []
+    record = timer.end_step(8)
+    assert record is not None
+    assert record.phases == pytest.approx({"backward": 0.5, "comm_wait": 1.0, "optimizer": 0.5}, abs=TOL)
+    assert timer.buckets.last_gradient is None  # taken with the spans
+
+
+def test_a_step_without_gradient_times_moves_nothing() -> None:  # no_sync steps and one-process runs
+    clock = FakeClock(0.0)
+    timer = StepTimer(clock=clock)
+    record = timed_step(timer, clock, 1, [("forward", 0.25), ("backward", 0.5)])
+    assert record is not None and record.phases == pytest.approx({"forward": 0.25, "backward": 0.5}, abs=TOL)
+
+
+def test_bucket_clock_gradient_times_and_bucket_spans() -> None:
+    clock = FakeClock(0.0)
+    buckets = BucketClock(clock)
+    assert buckets.exposed_seconds(backward_end=5.0) == 0.0  # no gradient yet
+    clock.advance(1.0)
+    buckets.gradient_ready()
+    assert buckets.exposed_seconds() == 0.0  # no end of backward to measure to
+    assert buckets.exposed_seconds(backward_end=1.75) == pytest.approx(0.75, abs=TOL)
+    assert buckets.exposed_seconds(backward_end=0.5) == 0.0  # never negative
+    slot = buckets.bucket_ready(0)
+    assert buckets.exposed_seconds(backward_end=1.75) == 0.0  # with the comm hook, only finished buckets count
+    clock.advance(0.5)
+    buckets.bucket_done(slot)
+    assert buckets.exposed_seconds(backward_end=9.0) == pytest.approx(0.5, abs=TOL)
+
+
 def test_bucket_clock_exposed_seconds() -> None:
     clock = FakeClock(0.0)
     buckets = BucketClock(clock)
