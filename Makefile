@@ -56,6 +56,7 @@ bench: setup
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/plan_validation.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/compression.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/stragglers.py
+	flock /tmp/dtrain-bench.lock $(PY) benchmarks/diagnose_check.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/chaos.py
 
 lint: setup

@@ -12,7 +12,8 @@ Configurations: 1 and 2 workers; plain loopback, and a loopback shaped by benchm
 Gbit/s; with and without fp16 compression; aggregation_frequency 1 and 4. Runs without compression go through
 `dtrain run` (summary.json's samples_per_second). The fp16 runs use a plain DDP loop in this file with PyTorch's
 `fp16_compress_hook` (written before dtrain had compressors; it keeps the fp16 cases independent of dtrain's
-hook), plus one uncompressed DDP run as a cross-check of the two harnesses. Shaped runs need root; without it they are skipped with the reason.
+hook), plus one uncompressed DDP run as a cross-check of the two harnesses. Shaped runs need root; without it
+they are skipped with the reason.
 
 Part 2, published results: `dtrain.plan.published` (Goyal et al., Horovod, the DDP paper), pure arithmetic.
 
