@@ -159,6 +159,8 @@ def communication_part(rounds: int, steps: int, blocks: int, block_steps: int,
                     row["scaling_efficiency_percent"] = found.get("scaling_efficiency_percent")
                     row["bottleneck"] = found["bottleneck"]
                     row["verdict"] = found["verdict"]
+                    row["advice"] = found["advice"]
+                    row["step_ms"] = found["step_ms"]
                     chart = Path(found["chart"])
             row["direct_percent"] = row["direct"]["overhead_percent"]
             print(f"[{repeat + 1}/{rounds}] diagnosed {row['diagnosed_percent']:.1f}% vs direct "
@@ -405,7 +407,10 @@ def main() -> None:
                                  [[r["repeat"], r["diagnosed_percent"], r["direct_percent"], r["direct"]["synced_ms"],
                                    r["direct"]["unsynced_ms"], r["exposed_wait_percent"],
                                    r["scaling_efficiency_percent"]] for r in comm]),
-                  "", "Verdict of the last round:", "", *[f"    {line}" for line in comm[-1]["verdict"]], ""]
+                  "", f"The last round's diagnosis (its chart is `diagnose_chart.png`; step "
+                      f"{comm[-1]['step_ms']:.1f} ms):",
+                  "", *[f"    {line}" for line in comm[-1]["verdict"]],
+                  *[f"    advice: {line}" for line in comm[-1]["advice"]], ""]
     lines += ["## Slow input pipeline", "", f"`load_delay_ms: {io_row['load_delay_ms']:g}`: bottleneck "
               f"**{io_row['bottleneck']}**, input overhead {io_row['input_overhead_percent']:.1f}% of the step.", "",
               *[f"    {line}" for line in io_row["verdict"]], "",
