@@ -79,6 +79,8 @@ def _median_of(rank: Mapping[str, Any], phases: tuple[str, ...]) -> float:
 PACE_PHASES = ("data", "forward", "backward", "comm_wait")  # one batch's work without the optimizer update
 STEP_PHASES = (*PACE_PHASES, "optimizer")
 COMPUTE_PHASES = ("data", "forward", "backward", "optimizer")
+MODEL_PHASES = ("forward", "backward", "optimizer")  # the compute the synthetic-data trial repeats as it was
+CONFIRMED_SHARE = 0.5  # a straggler is the rank's own when a second trial shows at least this share of its lag
 
 
 def pace_seconds(profile: Mapping[str, Any], phases: tuple[str, ...] = PACE_PHASES) -> float:
@@ -118,14 +120,36 @@ def analyse(config: ExperimentConfig, profiles: Mapping[str, Mapping[str, Any]])
     slowest = max(range(len(computes)), key=computes.__getitem__)
     others = [c for i, c in enumerate(computes) if i != slowest] or computes
     typical = statistics.median(others)
+    lag = computes[slowest] - typical
+    repeated = _repeated_lag(configured, profiles.get("synthetic_data"), slowest)
     result["rank_compute_ms"] = [c * 1e3 for c in computes]
     result["slowest_rank"] = {"rank": slowest, "compute_ms": computes[slowest] * 1e3,
-                              "slower_than_others_percent": percent(computes[slowest] - typical, typical),
-                              "others_wait_percent": percent(computes[slowest] - typical, pace)}
+                              "slower_than_others_percent": percent(lag, typical),
+                              "others_wait_percent": percent(lag, pace),
+                              "repeated_slower_percent": percent(repeated, typical),
+                              "confirmed": world > 1 and repeated >= CONFIRMED_SHARE * lag}
     result["findings"], result["advice"] = _findings(config, result)
     result["bottleneck"] = result["findings"][0]["name"] if result["findings"] else "compute"
     result["verdict"] = verdict_lines(result)
     return result
+
+
+def _lag_behind_others(ranks: list[Mapping[str, Any]], who: int, phases: tuple[str, ...]) -> float:
+    """How many seconds per step rank `who` spends in `phases` beyond the median of the other ranks."""
+    values = [_median_of(rank, phases) for rank in ranks]
+    others = [v for i, v in enumerate(values) if i != who] or values
+    return values[who] - statistics.median(others)
+
+
+def _repeated_lag(configured: Mapping[str, Any], repeat: Mapping[str, Any] | None, who: int) -> float:
+    """The slowest rank's lag as a second trial on the same ranks shows it: its model compute there (the
+    synthetic-data trial changes only the data) plus its data-phase lag in the configured trial (which that
+    trial cannot repeat). A lag of the rank's own (a slower device, a busier machine) shows in both trials;
+    load that came and went during one trial does not. Without a second trial the lag stands as measured."""
+    ranks = configured["ranks"]
+    if repeat is None or len(repeat["ranks"]) != len(ranks):
+        return _lag_behind_others(ranks, who, COMPUTE_PHASES)
+    return _lag_behind_others(ranks, who, ("data",)) + _lag_behind_others(repeat["ranks"], who, MODEL_PHASES)
 
 
 def _findings(config: ExperimentConfig, d: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -146,7 +170,7 @@ def _findings(config: ExperimentConfig, d: Mapping[str, Any]) -> tuple[list[dict
                       f"raise data_loader.num_workers (now {config.data_loader.num_workers}); keep decoded data in "
                       "memory (ArrayDataset hands out whole batches); move per-record work out of __getitem__"))
     slow = d["slowest_rank"]
-    if d["world_size"] > 1 and slow["others_wait_percent"] >= BOTTLENECK_PERCENT:
+    if d["world_size"] > 1 and slow["confirmed"] and slow["others_wait_percent"] >= BOTTLENECK_PERCENT:
         found.append((slow["others_wait_percent"], f"slowest rank {slow['rank']}",
                       f"rank {slow['rank']} computes {slow['slower_than_others_percent']:.0f}% slower than the others "
                       "and they wait for it: look for other load on its machine or device (logs/rank-"
@@ -172,6 +196,10 @@ def verdict_lines(d: Mapping[str, Any]) -> list[str]:
                      f"samples/s on {d['world_size']} slots vs {d['one_slot_samples_per_second']:,.0f} on 1)")
     slow = d["slowest_rank"]
     if d["world_size"] > 1:
-        lines.append(f"slowest rank {slow['rank']}: compute {slow['compute_ms']:.1f} ms per step, "
-                     f"{slow['slower_than_others_percent']:.0f}% slower than the others")
+        line = (f"slowest rank {slow['rank']}: compute {slow['compute_ms']:.1f} ms per step, "
+                f"{slow['slower_than_others_percent']:.0f}% slower than the others")
+        if not slow["confirmed"] and slow["others_wait_percent"] >= BOTTLENECK_PERCENT:
+            line += (f", but only {max(slow['repeated_slower_percent'], 0.0):.0f}% in the synthetic-data trial: load "
+                     "that came and went, not the rank itself")
+        lines.append(line)
     return lines

@@ -185,6 +185,32 @@ def test_a_straggler_run_names_the_slowest_rank() -> None:
     assert advice.startswith("slowest rank 1: rank 1 computes 60% slower") and "logs/rank-1.log" in advice
     assert result["verdict"][0] == "bottleneck: slowest rank 1 (38% of the step)"
     assert result["verdict"][-1] == "slowest rank 1: compute 80.0 ms per step, 60% slower than the others"
+    assert slowest["confirmed"] is True  # as slow in the synthetic-data trial
+
+
+def test_a_rank_slow_in_one_trial_only_is_reported_but_not_named_the_bottleneck() -> None:
+    result = analyse(load(), profiles(
+        configured=[rank(0.01, 0.02, 0.02, comm_wait=0.03), rank(0.01, 0.02, 0.05)],  # rank 1 lags 30 ms here
+        no_communication=[rank(0.01, 0.02, 0.02), rank(0.01, 0.02, 0.05)],
+        synthetic_data=[rank(0.01, 0.02, 0.022), rank(0.01, 0.02, 0.02, comm_wait=0.002)]))  # and not here
+    slowest = result["slowest_rank"]
+    assert slowest["rank"] == 1 and slowest["others_wait_percent"] == pytest.approx(100 * 0.03 / 0.08, abs=1e-9)
+    assert slowest["repeated_slower_percent"] == pytest.approx(100 * -0.002 / 0.05, abs=1e-9)
+    assert slowest["confirmed"] is False
+    assert result["findings"] == [] and result["bottleneck"] == "compute"
+    assert result["verdict"][-1] == ("slowest rank 1: compute 80.0 ms per step, 60% slower than the others, but only "
+                                     "0% in the synthetic-data trial: load that came and went, not the rank itself")
+
+
+def test_a_slow_data_phase_on_one_rank_counts_although_synthetic_data_cannot_repeat_it() -> None:
+    result = analyse(load(), profiles(
+        configured=[rank(0.01, 0.02, 0.02, comm_wait=0.03), rank(0.04, 0.02, 0.02)],  # rank 1's loader lags 30 ms
+        no_communication=[rank(0.01, 0.02, 0.02), rank(0.04, 0.02, 0.02)],
+        synthetic_data=[rank(0.0, 0.02, 0.02), rank(0.0, 0.02, 0.02)]))
+    slowest = result["slowest_rank"]
+    assert slowest["rank"] == 1 and slowest["confirmed"] is True
+    assert slowest["repeated_slower_percent"] == pytest.approx(slowest["slower_than_others_percent"], abs=1e-9)
+    assert result["bottleneck"] == "slowest rank 1"
 
 
 def test_findings_come_largest_first_each_with_its_advice() -> None:
