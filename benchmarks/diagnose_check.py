@@ -25,7 +25,7 @@ worker.
      noise on a shared 2-core machine is several percent, so it confirms, it cannot resolve 2%).
    Plus the timers' own bookkeeping per step, timed in-process, as a share of the step.
 
-    flock /tmp/dtrain-bench.lock python benchmarks/diagnose_check.py            # about 15 minutes on 2 cores
+    flock /tmp/dtrain-bench.lock python benchmarks/diagnose_check.py            # about 8 minutes on 2 cores
     flock /tmp/dtrain-bench.lock python benchmarks/diagnose_check.py --quick    # 1 round, short trials
 
 Writes benchmarks/results/diagnose_check.{json,md} and copies the 1 Gbit/s diagnosis chart to
@@ -54,9 +54,33 @@ sys.path.insert(0, str(WORKLOAD.parent))
 PER_RANK_BATCH = 64  # cnn.yaml's global batch 128 on 2 workers
 TARGET_ERROR_POINTS = 10.0
 TARGET_TIMER_OVERHEAD = 2.0
+WARMUP_STEPS = 5  # steps with the timers on before the interleaved blocks
 
 
 # ------------------------------------------------------------------------------ direct measurement
+
+
+def worker_batches(rank: int) -> list[Any]:
+    """The 4 per-rank batches of random 28x28 images both torchrun workers cycle through."""
+    import torch
+
+    generator = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(PER_RANK_BATCH, 1, 28, 28, generator=generator),
+             torch.randint(0, 10, (PER_RANK_BATCH,), generator=generator)) for _ in range(4)]
+
+
+def run_worker(flag: str, blocks: int, block_steps: int, workdir: Path, wrap: Any = None) -> dict[str, Any]:
+    """Run this file's `flag` worker in 2 torchrun processes (inside a namespace when `wrap` is its `wrap`) and
+    return the JSON its rank 0 wrote."""
+    out = workdir / f"{flag.strip('-')}-{time.monotonic_ns()}.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
+               flag, "--blocks", str(blocks), "--block-steps", str(block_steps), "--out", str(out)]
+    result = subprocess.run(wrap(command) if wrap else command, capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if result.returncode != 0:
+        raise RuntimeError(f"{flag} measurement failed:\n{result.stderr[-3000:]}")
+    found: dict[str, Any] = json.loads(out.read_text())
+    return found
 
 
 def direct_worker(blocks: int, block_steps: int, out: Path) -> None:
@@ -73,9 +97,7 @@ def direct_worker(blocks: int, block_steps: int, out: Path) -> None:
     torch.manual_seed(0)
     model = DistributedDataParallel(build_model(256))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    generator = torch.Generator().manual_seed(100 + rank)
-    batches = [(torch.randn(PER_RANK_BATCH, 1, 28, 28, generator=generator),
-                torch.randint(0, 10, (PER_RANK_BATCH,), generator=generator)) for _ in range(4)]
+    batches = worker_batches(rank)
     times: dict[str, list[float]] = {"synced": [], "unsynced": []}
 
     def step(index: int, synced: bool) -> float:
@@ -104,14 +126,7 @@ def direct_worker(blocks: int, block_steps: int, out: Path) -> None:
 
 def direct_overhead(ns: Any, blocks: int, block_steps: int, workdir: Path) -> dict[str, float]:
     """Communication overhead % of the plain DDP loop inside namespace `ns`."""
-    out = workdir / f"direct-{time.monotonic_ns()}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = ns.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                     __file__, "--direct-worker", "--blocks", str(blocks), "--block-steps", str(block_steps),
-                     "--out", str(out)], capture_output=True, env=env)
-    if result.returncode != 0:
-        raise RuntimeError(f"direct DDP measurement failed:\n{result.stderr[-3000:]}")
-    times = json.loads(out.read_text())
+    times = run_worker("--direct-worker", blocks, block_steps, workdir, wrap=ns.wrap)
     synced, unsynced = statistics.median(times["synced"]), statistics.median(times["unsynced"])
     return {"synced_ms": synced * 1e3, "unsynced_ms": unsynced * 1e3,
             "overhead_percent": 100.0 * (synced - unsynced) / synced}
@@ -228,9 +243,7 @@ def interleaved_worker(blocks: int, block_steps: int, out: Path) -> None:
     strategy = AllReduceStrategy(topology)
     wrapped = strategy.wrap_model(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    generator = torch.Generator().manual_seed(100 + topology.rank)
-    batches = [(torch.randn(PER_RANK_BATCH, 1, 28, 28, generator=generator),
-                torch.randint(0, 10, (PER_RANK_BATCH,), generator=generator)) for _ in range(4)]
+    batches = worker_batches(topology.rank)
     wall: dict[str, list[float]] = {"on": [], "off": []}
     cpu: dict[str, list[float]] = {"on": [], "off": []}
 
@@ -254,7 +267,7 @@ def interleaved_worker(blocks: int, block_steps: int, out: Path) -> None:
         cpu["on" if on else "off"].append(time.thread_time() - start_cpu)
 
     timers(True)
-    for index in range(5):  # warm-up: bucket rebuild, allocator, caches
+    for index in range(WARMUP_STEPS):  # warm-up: bucket rebuild, allocator, caches
         step(index, True)
     wall, cpu = {"on": [], "off": []}, {"on": [], "off": []}
     for block in range(blocks):
@@ -281,15 +294,11 @@ def paired_block_ratio(on: list[float], off: list[float], block_steps: int) -> f
 def interleaved_overhead(blocks: int, block_steps: int, workdir: Path) -> dict[str, float]:
     """One interleaved measurement (loopback, 2 processes): median step times and the timers' overhead % from
     the paired blocks, in wall time and in the training thread's CPU time."""
-    out = workdir / f"interleaved-{time.monotonic_ns()}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             __file__, "--interleaved-worker", "--blocks", str(blocks), "--block-steps",
-                             str(block_steps), "--out", str(out)], capture_output=True, text=True, env=env)
-    if result.returncode != 0:
-        raise RuntimeError(f"interleaved timer measurement failed:\n{result.stderr[-3000:]}")
-    times = json.loads(out.read_text())
+    times = run_worker("--interleaved-worker", blocks, block_steps, workdir)
     wall, cpu = times["wall"], times["cpu"]
+    if times["timed_steps_recorded"] != WARMUP_STEPS + len(wall["on"]):  # the off blocks must record nothing
+        raise RuntimeError(f"the profiler recorded {times['timed_steps_recorded']} steps, not the "
+                           f"{WARMUP_STEPS + len(wall['on'])} steps with the timers on: the on/off switch failed")
     return {"on_ms": statistics.median(wall["on"]) * 1e3, "off_ms": statistics.median(wall["off"]) * 1e3,
             "overhead_percent": 100.0 * (paired_block_ratio(wall["on"], wall["off"], block_steps) - 1.0),
             "cpu_on_ms": statistics.median(cpu["on"]) * 1e3, "cpu_off_ms": statistics.median(cpu["off"]) * 1e3,
@@ -371,7 +380,7 @@ def main() -> None:
         io_row = input_part(steps, args.load_delay_ms, workdir)
         rows.append(io_row)
         headline["io_bottleneck_named"] = io_row["bottleneck"] == "input pipeline"
-        interleaved_rows = []
+        interleaved_rows: list[dict[str, Any]] = []
         for repeat in range(rounds):
             print(f"[{repeat + 1}/{rounds}] phase timers: interleaved on/off blocks in one pair of processes ...",
                   flush=True)

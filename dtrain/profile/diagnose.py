@@ -118,9 +118,8 @@ def analyse(config: ExperimentConfig, profiles: Mapping[str, Mapping[str, Any]])
         result["one_slot_samples_per_second"] = (config.global_batch_size // world) / single
     computes = [_median_of(rank, COMPUTE_PHASES) for rank in configured["ranks"]]
     slowest = max(range(len(computes)), key=computes.__getitem__)
-    others = [c for i, c in enumerate(computes) if i != slowest] or computes
-    typical = statistics.median(others)
-    lag = computes[slowest] - typical
+    lag = _lag_behind_others(configured["ranks"], slowest, COMPUTE_PHASES)
+    typical = computes[slowest] - lag  # the other ranks' median compute
     repeated = _repeated_lag(configured, profiles.get("synthetic_data"), slowest)
     result["rank_compute_ms"] = [c * 1e3 for c in computes]
     result["slowest_rank"] = {"rank": slowest, "compute_ms": computes[slowest] * 1e3,

@@ -91,7 +91,14 @@ def _timed_run_with_a_straggler(topology: Topology, run_dir: str) -> dict[str, A
     trainer.fit()
     records = trainer.profiler.timer.records[2:]  # past the warm-up steps (the straggler starts in step 2)
     ddp = trainer.wrapped.ddp  # the Replica the Trainer ran
-    return {"comm_hooks": len(ddp._comm_hooks),
+    trainable = [p for p in trainer.model.parameters() if p.requires_grad]
+
+    def hooks_per_parameter() -> list[int]:  # torch's own record of post-accumulate-grad hooks
+        return [len(p._post_accumulate_grad_hooks or {}) for p in trainable]
+
+    observed = hooks_per_parameter()
+    trainer.strategy.observe_buckets(None)  # type: ignore[attr-defined]
+    return {"comm_hooks": len(ddp._comm_hooks), "hooks_observed": observed, "hooks_after_stop": hooks_per_parameter(),
             "phase_sum": sum(sum(r.phases.values()) for r in records), "step_sum": sum(r.seconds for r in records),
             "comm_wait": sum(r.phases.get("comm_wait", 0.0) for r in records) / len(records),
             "forward": sum(r.phases.get("forward", 0.0) for r in records) / len(records)}
@@ -102,6 +109,8 @@ def test_timers_without_a_timeline_keep_ddps_allreduce_and_see_the_wait_for_a_st
     fast, slow = spawn(_timed_run_with_a_straggler, 2, str(tmp_path / "run"))
     for result in (fast, slow):
         assert result["comm_hooks"] == 0, "the phase timers alone registered a Python comm hook"
+        assert result["hooks_observed"] == [1] * 4, result["hooks_observed"]  # one per weight and bias of 2 layers
+        assert result["hooks_after_stop"] == [0] * 4, "observe_buckets(None) left gradient hooks behind"
         assert abs(result["phase_sum"] - result["step_sum"]) <= 0.05 * result["step_sum"], result
     delay = slow["forward"] - fast["forward"]  # the straggler's injected delay is part of its forward phase
     assert delay > 0.5 * slow["forward"], (fast, slow)
