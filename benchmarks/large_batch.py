@@ -126,7 +126,7 @@ def run_one(recipe: Recipe, batch: int, epochs: int, warmup_epochs: float, workd
 
 
 def _training_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    from dtrain.train.store import RunStore
+    from dtrain.runs.store import RunStore
 
     run = json.loads((run_dir / "run.json").read_text())
     return RunStore(Path(run["store"])).metric_series(run["trial_id"], "training")

@@ -97,7 +97,7 @@ def load_average() -> float:
 
 def calibrate_communication() -> Any:
     """The round's gloo all-reduce fits (fp32, and fp16 with its casts), as `dtrain plan --calibrate` takes them."""
-    from dtrain.plan.calibrate import Calibration, machine_facts, measure_allreduce
+    from dtrain.calibrate.calibrate import Calibration, machine_facts, measure_allreduce
 
     allreduce = {dtype: measure_allreduce(dtype=dtype, ranks=2) for dtype in ("float32", "float16")}
     return Calibration(machine=machine_facts(), compute={}, allreduce=allreduce)
@@ -107,7 +107,7 @@ def calibrate_compute(workers: int) -> Any:
     """The workload's step timed in `workers` processes at once (one thread each), as `dtrain plan --calibrate`
     does for a node whose workers are all busy; taken right before each run, because other work on this shared
     machine changes how much of a core a worker gets."""
-    from dtrain.plan.calibrate import measure_compute_concurrently
+    from dtrain.calibrate.calibrate import measure_compute_concurrently
 
     return measure_compute_concurrently(WORKLOAD, batch=BATCH_PER_WORKER, processes=workers, repeats=15)
 
@@ -121,7 +121,7 @@ def median_compute(measurements: list[Any]) -> Any:
 
 
 def workload_model() -> Any:
-    from dtrain.plan.measure import trial_workload
+    from dtrain.calibrate.measure import trial_workload
 
     return trial_workload(WORKLOAD, batch_size=BATCH_PER_WORKER).model_spec()
 
@@ -262,7 +262,7 @@ def link_checks(prefixes: dict[str, list[str]], calibration: Any) -> list[dict[s
     (shared medium at the nominal rate, plus the host cost), and the plain TCP rate tbf lets through."""
     import netem
 
-    from dtrain.plan.calibrate import measure_allreduce
+    from dtrain.calibrate.calibrate import measure_allreduce
     from dtrain.plan.machine import this_machine_topology
     from dtrain.plan.spec import ModelSpec, StrategySpec
     from dtrain.plan.step import bucket_costs

@@ -1,12 +1,27 @@
-"""Named exceptions that callers catch; each carries one user-facing line: the value, the rule, the fix."""
+"""Named exceptions that callers catch, and the exit codes of `dtrain` and its workers (defined only here).
+
+Each exception carries one user-facing line: the value, the rule, the fix.
+"""
 
 from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """How `dtrain` and a worker process end; scripts and the elastic agent read these numbers."""
+
+    OK = 0  # training finished (or the command did what it was asked)
+    FAILED = 1  # workers failed: a crash, a lost worker, a stalled collective
+    USER_ERROR = 2  # a config, data, checkpoint, Trial or command-line error, or a diverged run
+    STOPPED = 3  # training stopped early (e.g. debug.stop_after_batch); resumable
+    INTERRUPTED = 130  # Ctrl-C or SIGTERM (128 + SIGINT, as shells report it); resumable
 
 
 class DtrainError(Exception):
     """Base of every error that is the user's to fix; the CLI prints it as one line, without a traceback."""
 
-    exit_code = 2
+    exit_code: ExitCode = ExitCode.USER_ERROR
 
 
 class ConfigError(DtrainError):
@@ -40,4 +55,16 @@ class SyncError(DtrainError):
 class StallError(DtrainError):
     """A collective waited longer than `distributed.timeout_seconds`: names the ranks that did not arrive."""
 
-    exit_code = 1
+    exit_code = ExitCode.FAILED
+
+
+class PlanError(DtrainError):
+    """`dtrain plan` was given inputs it cannot use."""
+
+
+class CalibrationError(DtrainError):
+    """The calibration file is missing, unreadable or from another format, or a calibration measurement failed."""
+
+
+class DiagnoseError(DtrainError):
+    """A `dtrain diagnose` trial failed."""

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from dtrain.comm.topology import bind_loopback
 from dtrain.config import ExperimentConfig
-from dtrain.errors import LaunchError
-from dtrain.worker import FATAL_EXIT_CODE, FATAL_FILE, read_fatal
+from dtrain.errors import ExitCode, LaunchError
+from dtrain.runs.fatal import FATAL_FILE, read_fatal
 
 
 @dataclass(frozen=True)
@@ -51,14 +51,11 @@ class NodeSpec:
                               "every node), or a shared --rdzv-endpoint HOST:PORT")
 
 
-INTERRUPTED_EXIT_CODE = 130
-
-
 @dataclass(frozen=True)
 class LaunchResult:
-    """How the workers ended: exit code 0 (finished or stopped), 1 (failed), 2 (user error), 130 (interrupted)."""
+    """How the workers ended: OK (finished or stopped), FAILED, USER_ERROR or INTERRUPTED."""
 
-    exit_code: int
+    exit_code: ExitCode
     message: str | None = None
 
 
@@ -109,15 +106,15 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
         latest = run_dir / "checkpoints" / "latest"
         kept = latest.read_text().strip() if latest.is_file() else None
         what = f"training up to checkpoints/{kept} is kept" if kept else "no checkpoint was written yet"
-        return LaunchResult(INTERRUPTED_EXIT_CODE, f"interrupted by {signal_name}; the workers stopped at the next "
+        return LaunchResult(ExitCode.INTERRUPTED, f"interrupted by {signal_name}; the workers stopped at the next "
                             f"update with a checkpoint where they could, and {what}: run the same command with "
                             f"--run-dir {run_dir} to resume")
     except ChildFailedError as exc:
         fatal = read_fatal(run_dir, run_id)
         if fatal is not None:
-            return LaunchResult(FATAL_EXIT_CODE, str(fatal["message"]))
-        return LaunchResult(1, _describe_failure(exc, run_dir))
-    return LaunchResult(0)
+            return LaunchResult(ExitCode.USER_ERROR, str(fatal["message"]))
+        return LaunchResult(ExitCode.FAILED, _describe_failure(exc, run_dir))
+    return LaunchResult(ExitCode.OK)
 
 
 def _quiet_torch_elastic_loggers() -> None:

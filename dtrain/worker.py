@@ -11,50 +11,25 @@ resume from the latest checkpoint.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-FATAL_FILE = "fatal-error.json"
-FATAL_EXIT_CODE = 2
-INTERRUPTED_EXIT_CODE = 130
+from dtrain.errors import DtrainError, ExitCode, LaunchError, StallError
+from dtrain.runs.fatal import read_fatal, write_fatal
 
 
-def _launch_id() -> str:
-    return os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or "local"
-
-
-def read_fatal(run_dir: Path, launch_id: str | None = None) -> dict[str, object] | None:
-    """The user error that a worker of this launch (or of `launch_id`) recorded, if any."""
-    path = run_dir / FATAL_FILE
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return record if record.get("launch") == (launch_id or _launch_id()) else None
-
-
-def _write_fatal(run_dir: Path, message: str, rank: int) -> None:
-    path = run_dir / FATAL_FILE
-    tmp = path.with_name(f".{FATAL_FILE}.{os.getpid()}")
-    tmp.write_text(json.dumps({"launch": _launch_id(), "rank": rank, "message": message}))
-    if not path.exists() or read_fatal(run_dir) is None:
-        tmp.replace(path)
-    else:
-        tmp.unlink(missing_ok=True)
-
-
-def _parse(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The worker's command line (its options are part of the CLI snapshot, like `dtrain`'s)."""
     parser = argparse.ArgumentParser(prog="python -m dtrain.worker",
                                      description="Run one dtrain worker (started by dtrain run, torchrun or srun).")
     parser.add_argument("config", nargs="?", help="experiment YAML (omit when DIR was prepared by `dtrain run`)")
     parser.add_argument("--run-dir", required=True, type=Path, help="the run directory shared by all workers")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key (only with CONFIG)")
-    return parser.parse_args(argv)
+    return parser
 
 
 def _setup_logging(run_dir: Path, rank: int, name: str | None = None) -> None:
@@ -92,8 +67,8 @@ def run_worker(args: argparse.Namespace) -> int:
 
     from dtrain.comm import barrier, init_distributed, read_launch_env
     from dtrain.config import check_buildable, load_config, read_yaml
+    from dtrain.runs.rundir import CONFIG_FILE, load_run_info, prepare_run_dir
     from dtrain.train.entrypoint import load_trial_class
-    from dtrain.train.rundir import CONFIG_FILE, load_run_info, prepare_run_dir
     from dtrain.train.trainer import Trainer
 
     run_dir: Path = args.run_dir
@@ -102,8 +77,6 @@ def run_worker(args: argparse.Namespace) -> int:
         loaded = load_config(args.config, args.overrides)
     else:
         if not (run_dir / CONFIG_FILE).is_file():
-            from dtrain.errors import LaunchError
-
             raise LaunchError(f"{run_dir / CONFIG_FILE} does not exist; pass the experiment YAML as CONFIG")
         loaded = load_config(None, raw=read_yaml(run_dir / CONFIG_FILE))
     config = loaded.config
@@ -132,7 +105,7 @@ def run_worker(args: argparse.Namespace) -> int:
     trainer = Trainer(config=config, trial_class=trial_class, topology=topology, run_info=run_info)
     trainer.fit()
     barrier()
-    return INTERRUPTED_EXIT_CODE if trainer.status == "interrupted" else 0
+    return ExitCode.INTERRUPTED if trainer.status == "interrupted" else ExitCode.OK
 
 
 _PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
@@ -159,17 +132,15 @@ def _serve(run_dir: Path, config: Any, topology: Any, config_dir: Path) -> int:
     name = f"server-{topology.rank - topology.world_size}"
     serve(topology, config.distributed.parameter_server, timeout_seconds=config.distributed.timeout_seconds,
           on_joined=lambda: _setup_logging(run_dir, topology.rank, name=name))
-    return 0
+    return ExitCode.OK
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
+    args = build_parser().parse_args(argv)
     earlier = read_fatal(args.run_dir)
     if earlier is not None:  # a restart after a user error: fail fast, the error will not go away
-        return FATAL_EXIT_CODE
+        return ExitCode.USER_ERROR
     from torch.distributed.elastic.multiprocessing.errors import record
-
-    from dtrain.errors import DtrainError, StallError
 
     @record
     def guarded() -> int:
@@ -177,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_worker(args)
         except KeyboardInterrupt:  # Ctrl-C or the agent stopping us: the launcher reports it, no traceback
             logging.getLogger("dtrain").warning("interrupted", extra={"console": False})
-            return INTERRUPTED_EXIT_CODE
+            return ExitCode.INTERRUPTED
         except RuntimeError as exc:
             if not _lost_a_peer(exc):
                 raise
@@ -187,23 +158,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dtrain: rank {os.environ.get('RANK', '?')}: another worker is gone ({_first_line(exc)}); "
                   "stopping so that the workers can be restarted from the latest checkpoint", file=sys.stderr,
                   flush=True)
-            return 1
+            return ExitCode.FAILED
         except StallError as exc:
             # a rank stopped answering: like a lost worker, a restart from the latest checkpoint may get past it
             logging.getLogger("dtrain").error("%s", exc, extra={"console": False})
             print(f"dtrain: {exc}; stopping so that the workers can be restarted from the latest checkpoint",
                   file=sys.stderr, flush=True)
-            return 1
+            return ExitCode.FAILED
         except DtrainError as exc:
             rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
             logging.getLogger("dtrain").error("%s", exc, extra={"console": False})
             if args.run_dir.is_dir():
-                _write_fatal(args.run_dir, str(exc), rank)
+                write_fatal(args.run_dir, str(exc), rank)
             if "DTRAIN_LAUNCHER" not in os.environ:  # `dtrain run` prints it from fatal-error.json itself
                 print(f"dtrain: error: {exc}", file=sys.stderr, flush=True)
-            return FATAL_EXIT_CODE
+            return ExitCode.USER_ERROR
 
-    code: int = guarded() or 0
+    code = int(guarded() or ExitCode.OK)
     from dtrain.comm import shutdown_distributed
 
     shutdown_distributed()

@@ -1,6 +1,6 @@
 """The performance model: predict step time and scaling of synchronous data parallelism before the cluster
-exists. Pure functions in SI units (the unit is in every name), each citing its source; only `calibrate`
-and `measure` import torch.
+exists. Pure functions in SI units (the unit is in every name), each citing its source. Nothing here imports
+torch or the rest of dtrain: measuring a machine or a model for it is dtrain.calibrate.
 
     from dtrain.plan import MODELS, ComputeSpec, TopologySpec, StrategySpec, predict_step
     p = predict_step(MODELS["resnet50"], ComputeSpec.from_samples_per_second(400), TopologySpec(...),

@@ -1,4 +1,4 @@
-"""Where the time goes: step-phase timers, the Chrome-trace timeline, and `dtrain diagnose`."""
+"""Where the time goes, as the Trainer records it: step-phase timers, the Chrome-trace timeline, the profiler."""
 
 from dtrain.profile.profiler import Profiler, tensorboard_scalars
 from dtrain.profile.timeline import TIMELINE_TEMPLATE, Timeline

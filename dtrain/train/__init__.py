@@ -1,1 +1,1 @@
-"""Trial API, Trainer loop, checkpoints, run dirs and metrics."""
+"""Trial API, Trainer loop, checkpoints and metrics."""

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Mapping
 from pathlib import Path
 
-from dtrain.train.store import RunStore
+from dtrain.runs.store import RunStore
 
 log = logging.getLogger(__name__)
 

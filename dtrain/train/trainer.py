@@ -34,6 +34,7 @@ from dtrain.optim.build import build_lr_schedule
 from dtrain.optim.build import build_optimizer as build_config_optimizer
 from dtrain.optim.lr_schedule import ScheduledLR
 from dtrain.profile import Profiler, tensorboard_scalars
+from dtrain.runs.rundir import SUMMARY_FILE, RunInfo, write_json_atomic
 from dtrain.sync import SyncStrategy, build_strategy
 from dtrain.train import checkpoint as ckpt
 from dtrain.train.faults import FAULTS_FILE, FaultInjector
@@ -41,7 +42,6 @@ from dtrain.train.guard import RECIPE_ADVICE, GracefulStop, UpdateGuard, model_d
 from dtrain.train.metrics import MetricsWriter
 from dtrain.train.progress import Progress
 from dtrain.train.rng import capture_rng_state, restore_rng_state, seed_everything
-from dtrain.train.rundir import SUMMARY_FILE, RunInfo, write_json_atomic
 from dtrain.train.trial import Trial, TrialContext
 
 log = logging.getLogger(__name__)

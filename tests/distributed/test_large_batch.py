@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from dtrain.data.sharding import epoch_permutation, split_global_batch
+from dtrain.runs.store import RunStore
 from dtrain.train.rng import seed_everything
-from dtrain.train.store import RunStore
 from dtrain.train.trial import TrialContext
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dtrain.plan.calibrate import Calibration, measure_allreduce
+from dtrain.calibrate.calibrate import Calibration, measure_allreduce
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 

@@ -11,7 +11,7 @@ from typing import Any
 from dtrain.comm import Topology, barrier
 from dtrain.config import load_config
 from dtrain.profile import PHASES
-from dtrain.train.rundir import load_run_info, prepare_run_dir
+from dtrain.runs.rundir import load_run_info, prepare_run_dir
 from dtrain.train.trainer import Trainer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

@@ -207,7 +207,7 @@ def test_parameter_server_run_stops_resumes_and_reports(tmp_path: Path) -> None:
     """3 workers (one 3x slower) and 2 servers in ssp mode: started by plain torchrun with 5 processes and stopped
     after batch 20, resumed by `dtrain run` (the servers' state comes back from the checkpoint), with the per-run
     figures in summary.json and the store."""
-    from dtrain.train.store import RunStore
+    from dtrain.runs.store import RunStore
 
     run_dir, env = tmp_path / "ps", {"DTRAIN_RUNS_ROOT": str(tmp_path / "runs")}
     settings = ["--set", "distributed.strategy=parameter_server", "--set", "distributed.parameter_server.servers=2",

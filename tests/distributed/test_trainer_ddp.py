@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from dtrain.comm import Topology, barrier
 from dtrain.config import load_config
 from dtrain.data.sharding import ShardedBatchSampler, split_by_sizes, split_global_batch
+from dtrain.runs.rundir import load_run_info, prepare_run_dir
 from dtrain.train.rng import seed_everything
-from dtrain.train.rundir import load_run_info, prepare_run_dir
 from dtrain.train.trainer import Trainer
 from dtrain.train.trial import TrialContext
 

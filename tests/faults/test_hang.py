@@ -12,7 +12,7 @@ from typing import Any
 from dtrain.comm import Topology, barrier
 from dtrain.config import load_config
 from dtrain.errors import StallError
-from dtrain.train.rundir import load_run_info, prepare_run_dir
+from dtrain.runs.rundir import load_run_info, prepare_run_dir
 from dtrain.train.trainer import Trainer
 from tests.distributed.conftest import run_spawned  # the one spawn fixture's function (no second conftest here)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dtrain.cli import main
-from dtrain.train.store import RunStore
+from dtrain.runs.store import RunStore
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "fashion_mnist" / "distributed.yaml"

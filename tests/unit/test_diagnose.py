@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from dtrain.config import ExperimentConfig, check_buildable, load_config
-from dtrain.profile.diagnose import BOTTLENECK_PERCENT, NO_COMMUNICATION_K, analyse, trial_plans, verdict_lines
+from dtrain.diagnose.analysis import BOTTLENECK_PERCENT, analyse, verdict_lines
+from dtrain.diagnose.trials import NO_COMMUNICATION_K, trial_plans
 from tests.conftest import FIXTURES
 
 CONFIG = FIXTURES / "digits.yaml"  # 2 slots, global batch 64

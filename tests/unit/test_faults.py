@@ -215,7 +215,7 @@ def test_a_signal_becomes_a_stop_request_and_a_late_second_one_interrupts(monkey
 
 
 def test_config_nan_policy_is_checked_and_resumable() -> None:
-    from dtrain.train.rundir import RESUMABLE_CHANGES
+    from dtrain.runs.rundir import RESUMABLE_CHANGES
 
     with pytest.raises(ConfigError, match="`nan_policy` = 'skipp' must be one of abort, skip; did you mean `skip`"):
         load_config(None, raw={"entrypoint": "m:T", "hyperparameters": {"global_batch_size": 8},

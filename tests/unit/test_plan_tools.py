@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from dtrain.calibrate.calibrate import AllReduceFit, Calibration, ComputeMeasurement, fit_ring_alpha_beta
 from dtrain.cli import main
+from dtrain.commands.plan import parse_sweep
+from dtrain.errors import CalibrationError
 from dtrain.plan.advise import HIDDEN_SHARE, batch_for_efficiency, compression_gain, fewest_parameter_servers
-from dtrain.plan.calibrate import AllReduceFit, Calibration, CalibrationError, ComputeMeasurement, fit_ring_alpha_beta
-from dtrain.plan.command import parse_sweep
 from dtrain.plan.machine import compute_spec, this_machine_topology
 from dtrain.plan.presets import MODELS, model_preset
 from dtrain.plan.published import published_cases, published_errors, resnet101_p100_images_per_s
@@ -133,7 +134,7 @@ def test_flops_of_a_module_by_hand() -> None:
     import torch
     import torch.nn.functional as F
 
-    from dtrain.plan.measure import module_model_spec
+    from dtrain.calibrate.measure import module_model_spec
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     batch = (torch.randn(5, 8), torch.randint(0, 4, (5,)))
@@ -145,7 +146,7 @@ def test_flops_of_a_module_by_hand() -> None:
 
 
 def test_trial_workload_measures_the_experiment() -> None:
-    from dtrain.plan.measure import trial_workload
+    from dtrain.calibrate.measure import trial_workload
 
     workload = trial_workload(DIGITS)
     assert workload.batch_size == 32  # global 64 over 2 slots
@@ -256,7 +257,7 @@ def test_plan_with_this_machine(capsys: pytest.CaptureFixture[str], tmp_path: Pa
 
 
 def test_plan_module_imports_no_torch() -> None:
-    code = ("import sys, dtrain.plan, dtrain.plan.advise, dtrain.plan.published, dtrain.plan.command; "
+    code = ("import sys, dtrain.plan, dtrain.plan.advise, dtrain.plan.published, dtrain.commands.plan; "
             "print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

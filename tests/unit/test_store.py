@@ -8,8 +8,8 @@ import pytest
 
 from dtrain.config import load_config
 from dtrain.errors import LaunchError
-from dtrain.train.rundir import prepare_run_dir, store_path
-from dtrain.train.store import RunStore
+from dtrain.runs.rundir import prepare_run_dir, store_path
+from dtrain.runs.store import RunStore
 
 RAW = {"name": "s", "entrypoint": "m:T", "hyperparameters": {"global_batch_size": 8},
        "searcher": {"max_length": {"batches": 3}}}

@@ -17,7 +17,7 @@ import yaml
 
 from dtrain.config import ExperimentConfig, dump_config
 from dtrain.errors import LaunchError
-from dtrain.train.store import RunStore
+from dtrain.runs.store import RunStore
 
 CONFIG_FILE, RUN_FILE, SUMMARY_FILE = "config.yaml", "run.json", "summary.json"
 # Config sections that may change between a run and its resumption.

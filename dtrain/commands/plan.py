@@ -1,4 +1,4 @@
-"""`dtrain plan`: the command-line face of the performance model (parser and handler; cli.py adds it)."""
+"""`dtrain plan`: the command-line face of the performance model, and of the calibration that feeds it."""
 
 from __future__ import annotations
 
@@ -9,17 +9,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dtrain.errors import DtrainError
-from dtrain.plan.measure import REFERENCE_WORKLOAD
+from dtrain.calibrate.measure import REFERENCE_WORKLOAD
+from dtrain.errors import ExitCode, PlanError
 from dtrain.plan.spec import ComputeSpec, ModelSpec, StrategySpec, TopologySpec
 from dtrain.plan.units import gbit_per_s_to_bytes_per_s, mib_to_bytes, microseconds_to_seconds
 
 STRATEGIES = {"ring": "ring", "tree": "tree", "halving-doubling": "halving_doubling",
               "hierarchical": "hierarchical", "ps": "parameter_server", "parameter-server": "parameter_server"}
-
-
-class PlanError(DtrainError):
-    """`dtrain plan` was given inputs it cannot use."""
 
 
 DESCRIPTION = """Predict the step time, throughput and scaling efficiency of synchronous data parallelism
@@ -38,8 +34,9 @@ Bandwidths are in Gbit/s (decimal), latencies in microseconds. Without --this-ma
 compute (--samples-per-second, or --device-tflops with --utilization)."""
 
 
-def add_plan_parser(commands: Any) -> argparse.ArgumentParser:
-    plan = commands.add_parser("plan", help="predict step time and scaling before the cluster exists",
+def register(subcommands: Any) -> argparse.ArgumentParser:
+    """Add `dtrain plan` and its options, in groups: model, compute, batch, topology, strategy, machine, output."""
+    plan = subcommands.add_parser("plan", help="predict step time and scaling before the cluster exists",
                                description=DESCRIPTION, epilog=EPILOG,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
     model = plan.add_argument_group("model (one of)")
@@ -159,7 +156,7 @@ def _positive(name: str, value: float | None) -> None:
 
 
 def _load_calibration(args: argparse.Namespace) -> Any:
-    from dtrain.plan.calibrate import Calibration, default_calibration_path
+    from dtrain.calibrate.calibrate import Calibration, default_calibration_path
 
     return Calibration.load(args.calibration or default_calibration_path())
 
@@ -182,8 +179,8 @@ def _model_from_args(args: argparse.Namespace) -> tuple[ModelSpec, dict[str, Any
         return ModelSpec(name="model", parameters=int(args.parameters), training_flops_per_sample=args.flops_per_sample,
                          bytes_per_parameter=args.bytes_per_parameter, source="given"), {}
     if args.config is not None:
+        from dtrain.calibrate.measure import trial_workload
         from dtrain.config import load_config
-        from dtrain.plan.measure import trial_workload
 
         workload = trial_workload(args.config, args.overrides, args.batch_per_device)
         config = load_config(args.config, args.overrides).config
@@ -297,7 +294,7 @@ def run_plan(args: argparse.Namespace) -> int:
                               "plot": str(path)}, indent=2))
         else:
             print(header + "\n" + format_sweep(predictions) + f"\n  plot: {path}")
-        return 0
+        return ExitCode.OK
     devices = args.devices or facts.get("devices", 8)
     _positive("--devices", devices)
     batch = per_device_batch_for(devices, per_device_batch=per_device, global_batch=args.global_batch)
@@ -308,11 +305,11 @@ def run_plan(args: argparse.Namespace) -> int:
                           "recommendations": [vars(a) for a in advice]}, indent=2))
     else:
         print(header + "\n" + format_prediction(prediction, advice))
-    return 0
+    return ExitCode.OK
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from dtrain.plan.calibrate import (
+    from dtrain.calibrate.calibrate import (
         Calibration,
         default_calibration_path,
         machine_facts,
@@ -340,7 +337,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     calibration.save(path)
     if args.json:
         print(json.dumps(calibration.to_json(), indent=2))
-        return 0
+        return ExitCode.OK
     for name, m in compute.items():
         rate = f", {m.achieved_flops_per_s / 1e9:.1f} GFLOP/s" if m.achieved_flops_per_s else ""
         print(f"compute     {name} (batch {m.batch}): {m.seconds_per_sample * 1e3:.3f} ms per sample (backward "
@@ -349,7 +346,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         bandwidth = "inf" if math.isinf(fit.bandwidth_bytes_per_s) else f"{fit.bandwidth_bytes_per_s / 1e9:.2f}"
         print(f"all-reduce  {dtype}: alpha {fit.alpha_s * 1e6:.1f} us, beta {bandwidth} GB/s ({fit.ranks} ranks)")
     print(f"saved       {path}")
-    return 0
+    return ExitCode.OK
 
 
-__all__ = ["PlanError", "add_plan_parser", "parse_sweep", "run_plan"]
+__all__ = ["parse_sweep", "register", "run_plan"]

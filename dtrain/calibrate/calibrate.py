@@ -11,7 +11,7 @@ On a machine whose workers are its cores, the loopback all-reduce is CPU work (c
 those alpha and beta become the host cost of communication (`HostCost`) and the speed of the unshaped
 loopback link. The result is kept as JSON (`default_calibration_path()`) and read by later predictions.
 
-Imports torch, unlike the rest of dtrain.plan; only this module and `measure` do.
+It imports torch and starts processes, which is why it lives apart from the pure model in dtrain.plan.
 """
 
 from __future__ import annotations
@@ -28,15 +28,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dtrain.errors import DtrainError
+from dtrain.errors import CalibrationError
 
 CALIBRATION_ENV = "DTRAIN_CALIBRATION"
 DEFAULT_ALLREDUCE_SIZES_BYTES = tuple(4096 * 4 ** k for k in range(7))  # 4 KiB ... 16 MiB
 CALIBRATION_VERSION = 2
-
-
-class CalibrationError(DtrainError):
-    """The calibration file is missing, unreadable or from another format."""
 
 
 def default_calibration_path() -> Path:
@@ -147,9 +143,9 @@ def measure_allreduce(sizes_bytes: Sequence[int] = DEFAULT_ALLREDUCE_SIZES_BYTES
         port = probe.getsockname()[1]
         probe.close()
         sizes = ",".join(str(int(size)) for size in sizes_bytes)
-        procs = [subprocess.Popen([*wrap, sys.executable, "-m", "dtrain.plan.calibrate", "worker", "--rank", str(rank),
-                                   "--ranks", str(ranks), "--port", str(port), "--sizes", sizes, "--dtype", dtype,
-                                   "--rounds", str(rounds), "--out", str(out)],
+        procs = [subprocess.Popen([*wrap, sys.executable, "-m", "dtrain.calibrate.calibrate", "worker", "--rank",
+                                   str(rank), "--ranks", str(ranks), "--port", str(port), "--sizes", sizes, "--dtype",
+                                   dtype, "--rounds", str(rounds), "--out", str(out)],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                  for rank in range(ranks)]
         errors = [proc.communicate()[1] for proc in procs]
@@ -223,7 +219,7 @@ def time_training_step(model: Any, batch: Any, loss_of: Callable[[Any, Any], Any
 
 
 def measure_compute(workload: Any, *, threads: int = 1, repeats: int = 10) -> ComputeMeasurement:
-    """Time a `dtrain.plan.measure.Workload` on `threads` threads."""
+    """Time a `dtrain.calibrate.measure.Workload` on `threads` threads."""
     import torch
 
     previous = torch.get_num_threads()
@@ -242,7 +238,7 @@ def measure_compute(workload: Any, *, threads: int = 1, repeats: int = 10) -> Co
 
 
 def _workload(config: str | None, overrides: Sequence[str], batch: int | None) -> Any:
-    from dtrain.plan.measure import reference_workload, trial_workload
+    from dtrain.calibrate.measure import reference_workload, trial_workload
 
     return trial_workload(Path(config), list(overrides), batch) if config else reference_workload(batch or 64)
 
@@ -269,7 +265,7 @@ def measure_compute_concurrently(config: Path | None, overrides: Sequence[str] =
     with tempfile.TemporaryDirectory(prefix="dtrain-calibrate-") as tmp:
         go = Path(tmp) / "go"
         outs = [Path(tmp) / f"compute-{i}.json" for i in range(processes)]
-        command = [sys.executable, "-m", "dtrain.plan.calibrate", "compute", "--threads", str(threads),
+        command = [sys.executable, "-m", "dtrain.calibrate.calibrate", "compute", "--threads", str(threads),
                    "--repeats", str(repeats), "--go", str(go)]
         if config is not None:
             command += ["--config", str(config), *[f"--set={item}" for item in overrides]]
@@ -365,10 +361,10 @@ def machine_facts() -> dict[str, Any]:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    """`python -m dtrain.plan.calibrate allreduce ...` prints one all-reduce calibration as JSON (benchmarks run
+    """`python -m dtrain.calibrate.calibrate allreduce ...` prints one all-reduce calibration as JSON (benchmarks run
     it inside shaped network namespaces); `worker` is one rank of it, `compute` one of several concurrent
     compute timings."""
-    parser = argparse.ArgumentParser(prog="python -m dtrain.plan.calibrate", description=_main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m dtrain.calibrate.calibrate", description=_main.__doc__)
     parser.add_argument("what", choices=["allreduce", "worker", "compute"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     parser.add_argument("--ranks", type=int, default=2)

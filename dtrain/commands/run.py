@@ -1,0 +1,132 @@
+"""`dtrain run CONFIG`: train an experiment with one worker process per slot, and say how it ended."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dtrain.errors import ExitCode
+
+DESCRIPTION = ("Train the experiment a YAML file describes, with one worker process per slot "
+               "(resources.slots_per_trial). Exit code 0 only when training finished; 1 when workers failed; 2 for a "
+               "config, data, checkpoint or Trial error or a diverged run; 3 when stopped early (resumable); 130 when "
+               "interrupted (Ctrl-C or SIGTERM: the workers checkpoint after the batch they are on; resumable).")
+
+
+def register(subcommands: Any) -> argparse.ArgumentParser:
+    """Add `dtrain run` and its options."""
+    run = subcommands.add_parser(
+        "run", help="train an experiment", description=DESCRIPTION,
+        epilog="Across machines run the same command on every node with --nnodes, --node-rank and the chief's "
+        "--master-addr/--master-port. Running it again with the same --run-dir resumes an unfinished run.")
+    run.add_argument("config", type=Path, help="experiment YAML file")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config key, e.g. --set resources.slots_per_trial=4 (repeatable; the value "
+                          "is read as YAML)")
+    run.add_argument("--run-dir", type=Path, help="where the run's files go (default: runs/<name>/<id>/); an "
+                                                 "existing unfinished run there is resumed")
+    run.add_argument("--nnodes", type=int, default=1, help="machines in the job (default 1)")
+    run.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 on the chief")
+    run.add_argument("--master-addr", default="127.0.0.1",
+                     help="the chief's address; the rendezvous listens on loopback unless this is given "
+                          "(default 127.0.0.1)")
+    run.add_argument("--master-port", type=int, help="the chief's rendezvous port (default: a free port)")
+    run.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                     help="c10d rendezvous endpoint shared by all nodes, instead of --node-rank/--master-*")
+    run.add_argument("--rdzv-id", help="job id for the c10d rendezvous (default: dtrain-<name>)")
+    run.set_defaults(handler=run_experiment)
+    return run
+
+
+def run_experiment(args: argparse.Namespace) -> int:
+    """Check everything that can be checked before a worker starts, launch the workers, record how they ended."""
+    # imported here, not above: `dtrain --help` stays quick, and tests can replace `launch_workers`
+    from dtrain.config import check_buildable, load_config
+    from dtrain.launch import NodeSpec, launch_workers
+    from dtrain.runs.rundir import SUMMARY_FILE, prepare_run_dir, read_summary, write_json_atomic
+    from dtrain.runs.store import RunStore
+    from dtrain.train.entrypoint import load_trial_class
+
+    loaded = load_config(args.config, args.overrides)
+    config = loaded.config
+    check_buildable(config)
+    node = NodeSpec(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                    master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
+    node.validate(config.resources.world_size)
+    load_trial_class(config.entrypoint, loaded.base_dir)  # a wrong entrypoint fails here, before any worker starts
+    for warning in loaded.warnings:
+        print(f"dtrain: warning: {warning}", file=sys.stderr)
+    info = prepare_run_dir(config, args.run_dir, loaded.base_dir, register=node.node_rank == 0)
+    print(f"dtrain: run dir {info.run_dir}" + (" (resuming)" if info.resumed else ""), file=sys.stderr)
+    started = time.time()
+    result = launch_workers(info.run_dir, config, node)
+    summary = read_summary(info.run_dir) or {}
+    if result.exit_code != ExitCode.OK:
+        print(f"dtrain: error: {result.message}", file=sys.stderr)
+        status = "interrupted" if result.exit_code == ExitCode.INTERRUPTED else "failed"
+        summary = {**summary, "status": status, "error": result.message}
+        if node.node_rank == 0:
+            write_json_atomic(info.run_dir / SUMMARY_FILE, summary)
+            if info.store is not None and info.trial_id is not None:
+                store = RunStore(info.store)
+                store.set_status(info.trial_id, status, summary)
+                store.close()
+        passed_on = (ExitCode.USER_ERROR, ExitCode.INTERRUPTED)
+        return result.exit_code if result.exit_code in passed_on else ExitCode.FAILED
+    if node.node_rank != 0:
+        return ExitCode.OK
+    _print_summary(info.run_dir, info.experiment_id, summary, time.time() - started)
+    return ExitCode.OK if summary.get("status") == "completed" else ExitCode.STOPPED
+
+
+def _print_summary(run_dir: Path, experiment_id: int | None, summary: dict[str, Any], launch_seconds: float) -> None:
+    status = summary.get("status", "unknown")
+    validation = summary.get("validation") or {}
+    metrics = ", ".join(f"{name} {value:.4f}" for name, value in sorted(validation.items()))
+    lines = [
+        f"dtrain: training {status}: {summary.get('steps_completed', 0)} batches "
+        f"({summary.get('epochs_completed', 0):.2f} epochs) on {summary.get('world_size', '?')} worker(s), "
+        f"{summary.get('wall_seconds', 0):.0f} s of training ({launch_seconds:.0f} s in all), "
+        f"{summary.get('samples_per_second', 0):,.0f} samples/s",
+        f"  validation   {metrics or 'none'}",
+        f"  run dir      {run_dir}",
+        f"  checkpoint   {summary.get('checkpoint')}",
+        f"  TensorBoard  tensorboard --logdir {run_dir / 'tensorboard'}",
+    ]
+    if summary.get("world_size", 1) > 1 and summary.get("strategy"):
+        lines.insert(2, f"  sync         {_describe_sync(summary['strategy'])}")
+        wire = summary.get("communication") or {}
+        if wire.get("communicating_steps"):
+            ratio = wire.get("compression_ratio") or 1.0
+            lines.insert(3, f"  wire         {wire['compression']}: {wire['bytes_per_step'] / 1e6:,.3f} MB sent per "
+                            f"update by each worker ({ratio:.3g}x less than dense fp32), "
+                            f"{wire['total_bytes'] / 1e9:,.3f} GB in all")
+    if experiment_id is not None:
+        lines.append(f"  store        dtrain experiments show {experiment_id}")
+    if status == "stopped":
+        lines.append("  resume with the same command and --run-dir " + str(run_dir))
+    print("\n".join(lines))
+
+
+def _describe_sync(strategy: dict[str, Any]) -> str:
+    """`allreduce, op average, buckets 1.6 MB (auto-tuned: 0.4 MB 79 ms/step, 1.6 MB 71 ms/step)`."""
+    if strategy.get("name") == "parameter_server":
+        text = (f"parameter_server, {strategy.get('servers')} server(s), mode {strategy.get('mode')}, staleness mean "
+                f"{strategy.get('staleness_mean', 0.0):.2f} max {strategy.get('staleness_max', 0)}, dropped gradients "
+                f"{strategy.get('dropped_gradients', 0)}")
+        return text
+    text = f"{strategy.get('name')}, op {strategy.get('op')}"
+    if "bucket_cap_mb" in strategy:
+        text += f", buckets {strategy['bucket_cap_mb']:.3g} MB"
+    visits = (strategy.get("fusion_tuning") or {}).get("visits") or []
+    if visits:
+        times: dict[float, list[float]] = {}
+        for size, seconds in visits:
+            times.setdefault(size, []).append(seconds)
+        shown = ", ".join(f"{size:.3g} MB {sum(t) / len(t) * 1e3:.0f}" for size, t in sorted(times.items()))
+        text += f" (auto-tuned, median step ms: {shown})"
+    return text
+
