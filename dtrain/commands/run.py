@@ -11,8 +11,9 @@ from typing import Any
 from dtrain.errors import ExitCode
 
 DESCRIPTION = ("Train the experiment a YAML file describes, with one worker process per slot "
-               "(resources.slots_per_trial). Exit code 0 only when training finished; 1 when workers failed; 2 for a "
-               "config, data, checkpoint or Trial error or a diverged run; 3 when stopped early (resumable); 130 when "
+               f"(resources.slots_per_trial). Exit code {ExitCode.OK} only when training finished; {ExitCode.FAILED} "
+               f"when workers failed; {ExitCode.USER_ERROR} for a config, data, checkpoint or Trial error or a "
+               f"diverged run; {ExitCode.STOPPED} when stopped early (resumable); {ExitCode.INTERRUPTED} when "
                "interrupted (Ctrl-C or SIGTERM: the workers checkpoint after the batch they are on; resumable).")
 
 
