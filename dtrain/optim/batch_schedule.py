@@ -14,11 +14,9 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Literal
 
+from dtrain.config import GrowBy
 from dtrain.errors import ConfigError
-
-GrowBy = Literal["per_slot_batch", "aggregation_frequency"]
 
 
 @dataclass(frozen=True)

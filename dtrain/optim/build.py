@@ -39,9 +39,7 @@ def build_optimizer(config: LargeBatch, model: nn.Module, hparams: Mapping[str, 
     """The optimizer `config.optimizer` names, over all of the model's parameters, at the base rate."""
     params = [p for p in model.parameters() if p.requires_grad]
     lr, decay = base_rate(config, hparams), weight_decay(config, hparams)
-    given = {key: getattr(config, key) for key in ("momentum", "nesterov", "trust_coefficient", "exclude_bias_and_norm",
-                                                    "betas", "eps", "bias_correction", "max_grad_norm",
-                                                    "max_trust_ratio") if getattr(config, key) is not None}
+    given = config.optimizer_options()
     name = config.optimizer
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=decay, momentum=given.get("momentum", 0.9),

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-ScalingRule = Literal["none", "linear", "sqrt"]
-DecayName = Literal["none", "step", "cosine", "poly"]
+from dtrain.config import DecayName, ScalingRule
 
 
 def scaling_factor(rule: ScalingRule, batch_size: int, base_batch_size: int | None) -> float:

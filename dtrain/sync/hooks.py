@@ -12,15 +12,14 @@ are counted on the compressor (`compressor.wire`).
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at registration as real objects.
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from dtrain.comm.adasum import adasum_all_reduce_
 from dtrain.compress import BucketInfo, Compressor, NoCompression, Round
-
-Op = Literal["average", "sum", "adasum"]
+from dtrain.config import ReduceOp as Op
 
 
 @dataclass

@@ -21,10 +21,12 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from torch.futures import Future
+
+from dtrain.config import ParameterServerMode
 
 
 @dataclass
@@ -80,8 +82,8 @@ class ShardServer:
 
     def __init__(self, *, workers: int, mode: str = "sync", staleness: int = 0, backup_workers: int = 0,
                  staleness_lr: bool = False) -> None:
-        if mode not in ("sync", "async", "ssp"):
-            raise ValueError(f"mode {mode!r} is not sync, async or ssp")
+        if mode not in get_args(ParameterServerMode):
+            raise ValueError(f"mode {mode!r} is not one of {', '.join(get_args(ParameterServerMode))}")
         self.workers = workers
         self.mode = mode
         self.staleness_bound = staleness

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from dtrain.config import (
     ExperimentConfig,
@@ -183,6 +185,14 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], str]] = [
      "large_batch.batch_size_schedule"),
     ("batch schedule epochs unsorted", config_with(large_batch={"batch_size_schedule": {"epochs": [4, 2]}}),
      "large_batch.batch_size_schedule"),
+    ("backup workers without sync", config_with(distributed={"strategy": "parameter_server", "parameter_server": {
+        "mode": "async", "backup_workers": 1}}), "distributed.parameter_server.backup_workers"),
+    ("timeline window backwards", config_with(profiling={"begin_on_batch": 5, "end_after_batch": 3}),
+     "profiling.end_after_batch"),
+    ("decay milestones unsorted", config_with(large_batch={"decay": {"name": "step", "milestones": [4, 2]}}),
+     "large_batch.decay.milestones"),
+    ("kill during checkpoint off rank 0",
+     config_with(debug={"kills": [{"rank": 1, "batch": 2, "during": "checkpoint"}]}), "debug.kills.0"),
 ]
 
 
@@ -196,8 +206,34 @@ def test_bad_config_names_the_key(why: str, raw: dict[str, Any], named: str) -> 
     assert "Traceback" not in message
 
 
-def test_there_are_at_least_fifteen_bad_configs() -> None:
-    assert len(BAD_CONFIGS) >= 15
+# A key in backticks (where pydantic located the problem), then after the colon that key again, in full or by its
+# last part: "`profiling`: profiling.end_after_batch ...", "`large_batch.betas`: betas [0.9, 1.5] ...".
+_KEY_TWICE = re.compile(r"^`((?:[a-z0-9_]+\.)*([a-z_][a-z0-9_]*))`[^:]*: (?:\1|\2)(?![a-z0-9_])")
+
+
+@pytest.mark.parametrize(("why", "raw", "named"), BAD_CONFIGS, ids=[c[0] for c in BAD_CONFIGS])
+def test_bad_config_names_its_key_once(why: str, raw: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, raw=raw)
+    assert not _KEY_TWICE.match(str(caught.value)), str(caught.value)
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    (config_with(distributed={"strategy": "parameter_server", "parameter_server": {"mode": "async",
+                                                                                    "backup_workers": 1}}),
+     "distributed.parameter_server.backup_workers (1) applies to mode `sync` only (mode `async` never waits for all "
+     "workers); remove it or set `mode: sync`"),
+    (config_with(distributed={"compression": {"name": "fp16", "ratio": 0.1}}),
+     "distributed.compression.ratio (0.1) applies to topk, not to `fp16`; remove it or change "
+     "distributed.compression.name"),
+    (config_with(profiling={"begin_on_batch": 5, "end_after_batch": 3}),
+     "profiling.end_after_batch (3) must be >= profiling.begin_on_batch (5); raise it or leave it out to profile to "
+     "the end"),
+], ids=["backup_workers", "compression ratio", "end_after_batch"])
+def test_rule_message_gives_key_once_value_rule_and_fix(raw: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, raw=raw)
+    assert str(caught.value) == message
 
 
 def test_unknown_key_message_suggests_fix() -> None:
@@ -212,6 +248,8 @@ def test_bad_override_is_attributed() -> None:
         load_config(None, ["resources.slots_per_trial"], raw=BASE)
     with pytest.raises(ConfigError, match="not a section"):
         load_config(None, ["name.first=x"], raw=BASE)
+    with pytest.raises(ConfigError, match=r"^profiling.end_after_batch \(1\) .* to the end \(from --set\)$"):
+        load_config(None, ["profiling.begin_on_batch=4", "profiling.end_after_batch=1"], raw=BASE)
 
 
 def test_yaml_file_errors(tmp_path: Path) -> None:
@@ -263,4 +301,12 @@ def test_large_batch_recipes_are_buildable() -> None:
 
 
 def test_experiment_config_is_strict_about_types() -> None:
-    assert isinstance(load_config(None, raw=BASE).config, ExperimentConfig)
+    with pytest.raises(ConfigError, match=r"`resources.slots_per_trial` = 2.5 must be an integer"):
+        load_config(None, raw=config_with(resources__slots_per_trial=2.5))
+    assert load_config(None, raw=config_with(name=7)).config.name == "7"  # a number given for a string
+    config = load_config(None, raw=BASE).config
+    with pytest.raises(ValidationError):  # assignments are validated too, as in the file
+        config.resources.slots_per_trial = "two"  # type: ignore[assignment]
+    with pytest.raises(ValidationError):
+        config.max_restarts = -1
+    assert isinstance(config, ExperimentConfig) and config.resources.slots_per_trial == 2

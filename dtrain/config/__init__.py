@@ -1,0 +1,45 @@
+"""Experiment YAML -> typed, validated config: Determined's classic keys plus dtrain's own sections.
+
+Every rule violation becomes one `ConfigError` line that names the key, the value, the rule and the fix.
+Determined keys that configure its cluster (containers, pools, ...) are accepted with a warning, so a
+classic experiment file runs unchanged; any other unknown key is rejected with the closest valid key.
+
+One module per job: `base` (strict sections, Length), a module per group of sections (`training`,
+`distributed`, `large_batch`, `profiling`, `debug`), `experiment` (the whole file), `names` (the names other
+packages implement), `ignored` (Determined's cluster keys), `loading` (YAML and `--set`), `messages` (the
+one-line errors), `gate` (features not built yet) and `reference` (docs/config-reference.md).
+"""
+
+from dtrain.config.base import Length, Section
+from dtrain.config.debug import Debug, Kill
+from dtrain.config.distributed import Compression, Distributed, Optimizations, ParameterServer
+from dtrain.config.experiment import ExperimentConfig
+from dtrain.config.gate import check_buildable, is_built
+from dtrain.config.ignored import IGNORED_KEYS
+from dtrain.config.large_batch import BatchSizeSchedule, Decay, LargeBatch
+from dtrain.config.loading import LoadedConfig, apply_override, dump_config, load_config, parse_override, read_yaml
+from dtrain.config.names import (
+    COMPRESSION_OPTIONS,
+    CONFIG_OPTIMIZERS,
+    OPTIMIZER_OPTIONS,
+    CompressorName,
+    DecayName,
+    GrowBy,
+    OptimizerName,
+    ParameterServerMode,
+    QSGDNorm,
+    ReduceOp,
+    ScalingRule,
+    StrategyName,
+)
+from dtrain.config.profiling import Profiling
+from dtrain.config.training import CheckpointStorage, DataLoaderConfig, Reproducibility, Resources, Searcher
+
+__all__ = [
+    "COMPRESSION_OPTIONS", "CONFIG_OPTIMIZERS", "IGNORED_KEYS", "OPTIMIZER_OPTIONS", "BatchSizeSchedule",
+    "CheckpointStorage", "Compression", "CompressorName", "DataLoaderConfig", "Debug", "Decay", "DecayName",
+    "Distributed", "ExperimentConfig", "GrowBy", "Kill", "LargeBatch", "Length", "LoadedConfig", "OptimizerName",
+    "Optimizations", "ParameterServer", "ParameterServerMode", "Profiling", "QSGDNorm", "ReduceOp",
+    "Reproducibility", "Resources", "ScalingRule", "Searcher", "Section", "StrategyName", "apply_override",
+    "check_buildable", "dump_config", "is_built", "load_config", "parse_override", "read_yaml",
+]

@@ -1,0 +1,62 @@
+"""What every config section shares (strict keys), and the one value type used in several sections: Length.
+
+A rule that a section's validator raises names the full key it is about at the start of its message
+(`distributed.compression.ratio (0.1) applies to ...`); only a section used in several places (Length) or
+inside a list (a debug kill) leaves the key out, and the message translator puts its location in front.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from dtrain.errors import ConfigError
+
+LENGTH_UNITS = ("batches", "records", "epochs")
+
+# The description of a key that a Determined file may hold and dtrain accepts without using it.
+DETERMINED_ONLY = "accepted from Determined's file; dtrain does not use it"
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, numbers given for strings become strings."""
+
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, validate_assignment=True)
+
+
+class Length(Section):
+    """A training length or period: exactly one of `{batches: N}`, `{records: N}` or `{epochs: N}`
+    (Determined's length). Records and epochs are rounded up to whole global batches."""
+
+    batches: int | None = Field(default=None, ge=0, description="global batches (optimizer steps)")
+    records: int | None = Field(default=None, ge=0, description="training records over all workers")
+    epochs: int | None = Field(default=None, ge=0, description="passes over the training data (see "
+                                                              "`records_per_epoch`)")
+
+    @model_validator(mode="after")
+    def _exactly_one_unit(self) -> Length:
+        given = [unit for unit in LENGTH_UNITS if getattr(self, unit) is not None]
+        if len(given) != 1:
+            raise ValueError(f"a length needs exactly one of batches, records or epochs (got {given or 'none'}); "
+                             "write e.g. `{epochs: 5}` or `{batches: 1000}`")
+        return self
+
+    @property
+    def unit(self) -> str:
+        return next(u for u in LENGTH_UNITS if getattr(self, u) is not None)
+
+    @property
+    def value(self) -> int:
+        return int(getattr(self, self.unit))
+
+    def to_batches(self, global_batch_size: int, records_per_epoch: int) -> int:
+        """Convert to batches (one batch = one global batch of records); epochs need `records_per_epoch`."""
+        if self.unit == "batches":
+            return self.value
+        if self.unit == "records":
+            return math.ceil(self.value / global_batch_size)
+        if records_per_epoch <= 0:
+            raise ConfigError(f"a length of {{epochs: {self.value}}} needs the epoch size; set "
+                              "`records_per_epoch` or let the Trial's training data define it")
+        return math.ceil(self.value * records_per_epoch / global_batch_size)

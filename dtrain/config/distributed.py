@@ -1,0 +1,138 @@
+"""Sections on how the workers keep their replicas consistent: Determined's `optimizations` (accumulation,
+fusion buckets) and dtrain's `distributed` (strategy, reduction op, compression, parameter servers)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from dtrain.config.base import DETERMINED_ONLY, Section
+from dtrain.config.names import (
+    COMPRESSION_OPTIONS,
+    CompressorName,
+    ParameterServerMode,
+    QSGDNorm,
+    ReduceOp,
+    StrategyName,
+)
+
+
+class Optimizations(Section):
+    """Gradient accumulation and fusion (Determined's `optimizations`), and the memory layout of batches."""
+
+    aggregation_frequency: int = Field(
+        default=1, ge=1, description="k: accumulate k batches locally (DDP `no_sync`) and communicate on the k-th; "
+        "the update equals one batch k times as big")
+    average_aggregated_gradients: bool = Field(
+        default=True, description="divide the accumulated gradient by k (false: their sum, as Horovod's "
+        "`backward_passes_per_step`)")
+    average_training_metrics: bool = Field(default=True, description=DETERMINED_ONLY)
+    gradient_compression: bool = Field(
+        default=False, description="true means `distributed.compression.name: fp16` (Determined's flag); with "
+        "another compressor named it is an error")
+    mixed_precision: Literal["O0", "O1", "O2", "O3"] = Field(
+        default="O0", description="mixed-precision level (Determined's, after Apex); O0 is full precision")
+    tensor_fusion_threshold: float = Field(default=25.0, gt=0, description="gradient bucket size in MB (DDP's "
+                                                                           "`bucket_cap_mb`)")
+    first_bucket_mb: float = Field(
+        default=1.0, gt=0, description="cap of the first bucket (the last layers' gradients), as DDP's default: its "
+        "all-reduce starts while backward goes on (passed to DDP as `bucket_cap_mb_list=[first, size]`)")
+    auto_tune_tensor_fusion: bool = Field(default=False, description="try bucket sizes during the first steps, "
+                                                                     "keep the fastest")
+    memory_format: Literal["contiguous", "channels_last"] = Field(
+        default="contiguous", description="layout of 4-D floating input batches and of the model: `channels_last` "
+        "(NHWC) gives faster convolutions on CPUs (oneDNN) and on tensor cores")
+
+
+class Compression(Section):
+    """Gradient compression for the allreduce strategy: a compressor between each gradient bucket and the wire.
+    Each option applies to the compressors named beside it (setting it for another is an error); unset options
+    take that compressor's default."""
+
+    name: CompressorName = Field(default="none", description="the compressor")
+    ratio: float | None = Field(default=None, gt=0, le=1, description="density: the fraction of entries sent")
+    error_feedback: bool | None = Field(default=None, description="keep what compression left out and add it to "
+                                                                  "the next update's gradient")
+    warmup_steps: int | None = Field(default=None, ge=0, description="updates of the sparsity warm-up (Deep "
+                                     "Gradient Compression): density falls geometrically from `warmup_start_ratio` "
+                                     "to `ratio`")
+    warmup_start_ratio: float | None = Field(default=None, gt=0, le=1, description="density at the start of the "
+                                                                                   "warm-up")
+    levels: int | None = Field(default=None, ge=1, le=127, description="s, the quantization levels (sign and level "
+                                                                        "share one byte)")
+    norm: QSGDNorm | None = Field(default=None, description="the norm each chunk is scaled by")
+    chunk_size: int | None = Field(default=None, ge=1, description="elements per chunk (qsgd: per norm)")
+    rank: int | None = Field(default=None, ge=1, description="r, the rank of the approximation")
+    start_iter: int | None = Field(default=None, ge=2, description="updates with the plain all-reduce before "
+                                                                   "compression starts")
+    warm_start: bool | None = Field(default=None, description="start each power iteration from the previous Q")
+    min_compression_rate: float | None = Field(default=None, ge=1, description="tensors that would not shrink by "
+                                                                              "this factor go in full")
+    epsilon: float | None = Field(default=None, ge=0, lt=1, description="the fraction of chunks not sent (the "
+                                                                        "least important)")
+    layer_priority: float | None = Field(default=None, ge=0, description="how much more the layers the next "
+                                         "forward pass needs first weigh (1.0: the first layer weighs 2, the last 1)")
+    seed: int | None = Field(default=None, ge=0, description="seed of the compressor's random choices")
+
+    @model_validator(mode="after")
+    def _options_apply(self) -> Compression:
+        for key, compressors in COMPRESSION_OPTIONS.items():
+            value = getattr(self, key)
+            if value is not None and self.name not in compressors:
+                raise ValueError(f"distributed.compression.{key} ({value}) applies to {' or '.join(compressors)}, "
+                                 f"not to `{self.name}`; remove it or change distributed.compression.name")
+        return self
+
+    def options(self) -> dict[str, Any]:
+        """The options set, as keyword arguments of the compressor's class."""
+        return {key: getattr(self, key) for key in COMPRESSION_OPTIONS if getattr(self, key) is not None}
+
+
+class ParameterServer(Section):
+    """Server processes beside the workers, and how they apply gradients (strategy `parameter_server`)."""
+
+    servers: int = Field(default=1, ge=1, description="server processes started beside the workers (the last "
+                                                      "ranks); parameters are sharded over them by bytes")
+    mode: ParameterServerMode = Field(
+        default="sync", description="`sync` (wait for all, apply the mean), `async` (apply each gradient when it "
+        "arrives), `ssp` (async within a staleness bound)")
+    staleness: int = Field(default=4, ge=0, description="ssp: a worker may be at most this many steps ahead of the "
+                                                        "slowest")
+    backup_workers: int = Field(default=0, ge=0, description="sync: each update uses the first W-b gradients; late "
+                                                             "ones are dropped and counted")
+    staleness_lr: bool = Field(default=False, description="apply a gradient of staleness t > 1 with the rate "
+                                                          "divided by t")
+
+    @model_validator(mode="after")
+    def _backup_for_sync(self) -> ParameterServer:
+        if self.backup_workers and self.mode != "sync":
+            raise ValueError(f"distributed.parameter_server.backup_workers ({self.backup_workers}) applies to mode "
+                             f"`sync` only (mode `{self.mode}` never waits for all workers); remove it or set "
+                             "`mode: sync`")
+        return self
+
+
+class Distributed(Section):
+    """How replicas stay consistent: the strategy, how gradients are combined, compression, timeouts."""
+
+    strategy: StrategyName = Field(default="allreduce", description="how replicas stay consistent: `allreduce` "
+                                   "(torch DDP; dtrain's comm hook for op `sum`, `adasum` and compression) or "
+                                   "`parameter_server` (server processes hold the parameters)")
+    parameter_server: ParameterServer = Field(default_factory=ParameterServer,
+                                              description="settings of strategy `parameter_server`")
+    op: ReduceOp = Field(default="average", description="how gradients are combined: `average` (the full-batch "
+                         "gradient), `sum`, `adasum` (Adasum; takes no compression)")
+    compression: Compression = Field(default_factory=Compression, description="gradient compression (strategy "
+                                                                              "`allreduce`)")
+    backend: Literal["auto", "gloo", "nccl"] = Field(default="auto", description="`auto`: gloo on CPU, nccl when "
+                                                                                 "CUDA is present")
+    timeout_seconds: float = Field(
+        default=600.0, gt=0, description="collective timeout: a collective that waits longer fails with one error "
+        "naming the ranks that did not arrive, the step and what each was doing")
+    stall_warning_seconds: float = Field(
+        default=60.0, gt=0, description="a rank that has waited this long logs which ranks have not arrived and "
+        "what each was last doing (heartbeats through the rendezvous store)")
+    find_unused_parameters: bool = Field(
+        default=False, description="set true for models whose forward pass skips parameters in some steps or on "
+        "some ranks; without it such a step stops at once with one line naming them")

@@ -1,0 +1,178 @@
+"""The whole experiment file: the top-level keys, the sections, and the rules that span sections."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from dtrain.config.base import DETERMINED_ONLY, Length, Section
+from dtrain.config.debug import Debug
+from dtrain.config.distributed import Compression, Distributed, Optimizations
+from dtrain.config.large_batch import LargeBatch
+from dtrain.config.profiling import Profiling
+from dtrain.config.training import CheckpointStorage, DataLoaderConfig, Reproducibility, Resources, Searcher
+
+
+class ExperimentConfig(Section):
+    """The whole experiment file: Determined's classic keys and dtrain's own sections beside them."""
+
+    name: str = Field(default="experiment", description="names the run dir (`runs/<name>/<id>/`) and the store "
+                                                        "entry")
+    description: str = Field(default="", description="free text kept with the run in the store")
+    labels: list[str] = Field(default_factory=list, description=DETERMINED_ONLY)
+    entrypoint: str = Field(description="the Trial class: `module:Class` (module next to the experiment file) or "
+                                        "`path/file.py:Class`")
+    hyperparameters: dict[str, Any] = Field(
+        description="constants (or `{type: const, val: x}`) given to the Trial; `global_batch_size` (records per "
+        "step over all workers) is required")
+    resources: Resources = Field(default_factory=Resources, description="worker processes")
+    searcher: Searcher = Field(description="training length and the metric that picks the best checkpoint")
+    records_per_epoch: int = Field(default=0, ge=0, description="records in an epoch for lengths in epochs; 0 means "
+                                                                "one pass over the training data")
+    min_validation_period: Length = Field(default_factory=lambda: Length(batches=0),
+                                          description="validate every this long ({batches: 0}: only at the end)")
+    min_checkpoint_period: Length = Field(default_factory=lambda: Length(batches=0),
+                                          description="checkpoint every this long ({batches: 0}: only at the end)")
+    checkpoint_policy: Literal["best", "all", "none"] = Field(
+        default="best", description="also checkpoint after a validation: `best` (when the metric improves), `all`, "
+        "`none`")
+    checkpoint_storage: CheckpointStorage = Field(default_factory=CheckpointStorage,
+                                                  description="how many checkpoints are kept")
+    max_restarts: int = Field(default=5, ge=0, description="elastic-agent restarts of the workers after a failure; "
+                                                           "each resumes from `checkpoints/latest`")
+    nan_policy: Literal["abort", "skip"] = Field(
+        default="abort", description="a NaN/infinite gradient on any rank: `abort` (stop with an error before the "
+        "update) or `skip` (drop that update on every rank)")
+    max_consecutive_nan_skips: int = Field(default=5, ge=1, description="with nan_policy skip: stop after this many "
+                                                                        "skipped updates in a row")
+    scheduling_unit: int = Field(default=100, ge=1, description="batches between training-metric reports (store, "
+                                                                "TensorBoard, log lines)")
+    perform_initial_validation: bool = Field(default=False, description="validate before the first batch")
+    optimizations: Optimizations = Field(default_factory=Optimizations,
+                                         description="gradient accumulation, fusion buckets, memory layout")
+    reproducibility: Reproducibility = Field(default_factory=Reproducibility, description="the seed")
+    data: dict[str, Any] = Field(default_factory=dict, description="free-form, given to the Trial as "
+                                                                   "`context.data_config`")
+    data_loader: DataLoaderConfig = Field(default_factory=DataLoaderConfig, description="loader processes and "
+                                                                                       "evaluation batch size")
+    profiling: Profiling = Field(default_factory=Profiling, description="phase timers and the timeline")
+    distributed: Distributed = Field(default_factory=Distributed, description="strategy, reduction op, compression, "
+                                                                              "timeouts")
+    large_batch: LargeBatch = Field(default_factory=LargeBatch, description="optimizer, LR scaling, warm-up, decay, "
+                                                                            "batch-size schedule")
+    debug: Debug = Field(default_factory=Debug, description="faults to inject, early stop, synthetic data")
+
+    @field_validator("hyperparameters")
+    @classmethod
+    def _constant_hyperparameters(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return {name: _constant_hparam(name, spec) for name, spec in value.items()}
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint_shape(cls, value: str) -> str:
+        module, sep, qualname = value.partition(":")
+        if not sep or not module or not qualname:
+            raise ValueError(f"entrypoint {value!r} must name a Trial class as `module:Class` or `file.py:Class`; "
+                             "write e.g. `entrypoint: model_def:MyTrial`")
+        return value
+
+    @model_validator(mode="after")
+    def _global_batch_size(self) -> ExperimentConfig:
+        gbs = self.hyperparameters.get("global_batch_size")
+        if gbs is None:
+            raise ValueError("hyperparameters.global_batch_size is required (records per training step over all "
+                             "workers); add e.g. `global_batch_size: 128` under hyperparameters")
+        if isinstance(gbs, bool) or not isinstance(gbs, int) or gbs < 1:
+            raise ValueError(f"hyperparameters.global_batch_size ({gbs!r}) must be a positive integer; "
+                             "write e.g. `global_batch_size: 128`")
+        world = self.resources.world_size
+        if gbs < world:
+            raise ValueError(f"hyperparameters.global_batch_size ({gbs}) must be >= resources.slots_per_trial "
+                             f"({world}); raise it to {world} or use fewer slots")
+        return self
+
+    @model_validator(mode="after")
+    def _debug_ranks(self) -> ExperimentConfig:
+        world = self.resources.world_size
+        for key, rank in self.debug.ranks().items():
+            if rank >= world:
+                raise ValueError(f"{key} ({rank}) must name a worker rank below resources.slots_per_trial "
+                                 f"({world}); use 0..{world - 1}")
+        return self
+
+    @model_validator(mode="after")
+    def _one_compression(self) -> ExperimentConfig:
+        name = self.distributed.compression.name
+        if self.optimizations.gradient_compression and name not in ("none", "fp16"):
+            raise ValueError(f"optimizations.gradient_compression (true, which means fp16) and "
+                             f"distributed.compression.name `{name}` name two compressions; remove "
+                             "optimizations.gradient_compression")
+        if self.distributed.op == "adasum" and self.compression.name != "none":
+            raise ValueError(f"distributed.op `adasum` combines full-precision gradients and cannot use compression "
+                             f"`{self.compression.name}`; use op average or sum, or remove the compression")
+        return self
+
+    @property
+    def compression(self) -> Compression:
+        """The compression to use: `distributed.compression`, or fp16 for Determined's
+        `optimizations.gradient_compression: true`."""
+        if self.optimizations.gradient_compression and self.distributed.compression.name == "none":
+            return Compression(name="fp16")
+        return self.distributed.compression
+
+    @model_validator(mode="after")
+    def _parameter_server_fits(self) -> ExperimentConfig:
+        if self.distributed.strategy != "parameter_server":
+            return self
+        if self.compression.name != "none" or self.distributed.op != "average":
+            raise ValueError(f"distributed.strategy parameter_server pushes full gradients and averages them; it "
+                             f"cannot use compression `{self.compression.name}` or op `{self.distributed.op}`; "
+                             "remove them or use distributed.strategy allreduce")
+        ps, world = self.distributed.parameter_server, self.resources.world_size
+        if ps.backup_workers >= world:
+            raise ValueError(f"distributed.parameter_server.backup_workers ({ps.backup_workers}) must be below "
+                             f"resources.slots_per_trial ({world}): each update needs at least one gradient; use "
+                             f"0..{world - 1}")
+        if (ps.mode != "sync" or ps.backup_workers) and (self.optimizations.aggregation_frequency > 1
+                                                         or self.large_batch.batch_size_schedule is not None):
+            how = f"mode `{ps.mode}`" if ps.mode != "sync" else "backup_workers"
+            raise ValueError(f"distributed.parameter_server {how} lets workers run different numbers of batches, so "
+                             "optimizations.aggregation_frequency and large_batch.batch_size_schedule do not apply; "
+                             "remove them or use `mode: sync` without backup workers")
+        return self
+
+    @model_validator(mode="after")
+    def _large_batch_rate(self) -> ExperimentConfig:
+        lb = self.large_batch
+        if lb.optimizer == "trial" or lb.base_lr is not None:
+            return self
+        rate = self.hyperparameters.get("learning_rate")
+        if rate is None:
+            raise ValueError(f"large_batch.optimizer `{lb.optimizer}` needs a base learning rate; set "
+                             "large_batch.base_lr (or hyperparameters.learning_rate), e.g. `base_lr: 0.1`")
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0:
+            raise ValueError(f"hyperparameters.learning_rate ({rate!r}) is the base rate of large_batch.optimizer "
+                             f"`{lb.optimizer}` and must be a positive number; fix it or set large_batch.base_lr")
+        return self
+
+    @property
+    def global_batch_size(self) -> int:
+        return int(self.hyperparameters["global_batch_size"])
+
+
+def _constant_hparam(name: str, spec: Any) -> Any:
+    """Return the constant a hyperparameter stands for; search spaces need a searcher that does not exist yet."""
+    if isinstance(spec, Mapping) and "type" in spec:
+        kind = spec["type"]
+        if kind == "const":
+            if "val" not in spec:
+                raise ValueError(f"hyperparameters.{name} has `type: const` without `val`; add e.g. `val: 0.1`")
+            return spec["val"]
+        raise ValueError(f"hyperparameters.{name} has `type: {kind}`, a search space, but searcher `single` trains "
+                         f"one trial; give a constant (e.g. `{name.split('.')[-1]}: 0.1`) - hyperparameter search "
+                         "is not built yet")
+    if isinstance(spec, Mapping):
+        return {key: _constant_hparam(f"{name}.{key}", value) for key, value in spec.items()}
+    return spec

@@ -1,0 +1,73 @@
+"""Sections on what one trial runs with: resources, searcher, checkpoint storage, seed and data loading.
+
+All but `data_loader` come from Determined's classic experiment file; keys that dtrain accepts from it but
+does not use say so in their description.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from dtrain.config.base import DETERMINED_ONLY, Length, Section
+
+
+class Resources(Section):
+    """How many worker processes the trial runs on."""
+
+    slots_per_trial: int = Field(
+        default=1, ge=0, description="worker processes (one per slot); per-slot batch = `global_batch_size // slots` "
+        "(a remainder is dropped with a warning; a global batch below the slot count is an error); Determined's 0 "
+        "(a CPU-only trial) means one process")
+
+    @property
+    def world_size(self) -> int:
+        """Processes to start; Determined's 0 (a CPU-only trial) means one process."""
+        return max(self.slots_per_trial, 1)
+
+
+class Searcher(Section):
+    """How long to train and which metric picks the best checkpoint. Searcher `single` trains one trial."""
+
+    name: Literal["single", "random", "grid", "adaptive_asha", "async_halving"] = Field(
+        default="single", description="how trials are chosen (Determined's searcher names); `single` trains one "
+        "trial")
+    metric: str = Field(default="validation_loss", description="the validation metric that picks the best "
+                        "checkpoint (`validation_` prefix optional)")
+    smaller_is_better: bool = Field(default=True, description="whether a smaller `metric` is better")
+    max_length: Length = Field(description="training length: `{batches: N}`, `{records: N}` or `{epochs: N}`")
+    source_trial_id: int | None = Field(default=None, description=DETERMINED_ONLY)
+    source_checkpoint_uuid: str | None = Field(default=None, description=DETERMINED_ONLY)
+
+
+class CheckpointStorage(Section):
+    """How many checkpoints to keep. dtrain writes them into the run dir (`checkpoints/step-<N>/`); Determined's
+    storage locations are accepted and not used."""
+
+    type: Literal["shared_fs", "directory"] = Field(default="directory", description=DETERMINED_ONLY)
+    host_path: str | None = Field(default=None, description=DETERMINED_ONLY)
+    storage_path: str | None = Field(default=None, description=DETERMINED_ONLY)
+    container_path: str | None = Field(default=None, description=DETERMINED_ONLY)
+    propagation: str | None = Field(default=None, description=DETERMINED_ONLY)
+    save_experiment_best: int = Field(default=0, ge=0, description=DETERMINED_ONLY + " (one experiment runs one "
+                                                                   "trial)")
+    save_trial_best: int = Field(default=1, ge=0, description="checkpoints kept: the best M by the searcher's "
+                                                             "metric")
+    save_trial_latest: int = Field(default=1, ge=1, description="checkpoints kept: the newest N (resume starts "
+                                                               "from the newest)")
+
+
+class Reproducibility(Section):
+    """The seed behind every random choice of a run."""
+
+    experiment_seed: int = Field(default=0, ge=0, description="seeds weights, shuffles and per-rank RNG streams; "
+                                                              "the same seed gives the same bits")
+
+
+class DataLoaderConfig(Section):
+    """How each worker loads its batches."""
+
+    num_workers: int = Field(default=0, ge=0, description="loader processes per worker")
+    validation_batch_size: int | None = Field(default=None, ge=1, description="evaluation batch size; default "
+                                                                               "the per-slot batch")
