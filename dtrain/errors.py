@@ -41,3 +41,7 @@ class StallError(DtrainError):
     """A collective waited longer than `distributed.timeout_seconds`: names the ranks that did not arrive."""
 
     exit_code = 1
+
+
+class TorchCompatibilityError(DtrainError):
+    """The installed torch lacks a private torch API dtrain relies on (renamed or removed in another release)."""
