@@ -6,17 +6,14 @@ tests/unit/test_profile_timers.py."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-from dtrain.comm import Topology, barrier
+from dtrain.comm import Topology
 from dtrain.config import load_config
 from dtrain.profile import PHASES
-from dtrain.train.rundir import load_run_info, prepare_run_dir
-from dtrain.train.trainer import Trainer
+from tests.distributed.conftest import fixture_trainer
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 STEPS, BEGIN, END = 16, 4, 7
 STEP_PHASES = ("data", "forward", "backward", "optimizer")  # timed in every step
 
@@ -32,14 +29,7 @@ RAW: dict[str, Any] = {
 
 
 def _profiled_run(topology: Topology, run_dir: str) -> dict[str, Any]:
-    sys.path.insert(0, str(FIXTURES))
-    from digits_trial import DigitsTrial
-
-    config = load_config(None, raw=RAW).config
-    if topology.rank == 0:
-        prepare_run_dir(config, Path(run_dir), FIXTURES)
-    barrier()
-    trainer = Trainer(config=config, trial_class=DigitsTrial, topology=topology, run_info=load_run_info(Path(run_dir)))
+    trainer = fixture_trainer(topology, load_config(None, raw=RAW).config, run_dir)
     summary = trainer.fit()
     records = trainer.profiler.timer.records
     return {"summary": summary, "steps": [r.step for r in records], "phases": [set(r.phases) for r in records],
@@ -82,16 +72,9 @@ def test_phase_timers_add_up_and_the_timeline_is_a_chrome_trace(spawn: Any, tmp_
 
 def _timed_run(topology: Topology, run_dir: str) -> dict[str, Any]:
     """Phase timers only (no timeline): DDP keeps its own all-reduce (no comm hook)."""
-    sys.path.insert(0, str(FIXTURES))
-    from digits_trial import DigitsTrial
-
     raw = {**RAW, "name": "timers", "profiling": {"enabled": False},
            "min_validation_period": {"batches": 0}, "min_checkpoint_period": {"batches": 0}}
-    config = load_config(None, raw=raw).config
-    if topology.rank == 0:
-        prepare_run_dir(config, Path(run_dir), FIXTURES)
-    barrier()
-    trainer = Trainer(config=config, trial_class=DigitsTrial, topology=topology, run_info=load_run_info(Path(run_dir)))
+    trainer = fixture_trainer(topology, load_config(None, raw=raw).config, run_dir)
     trainer.fit()
     records = trainer.profiler.timer.records
     ddp = trainer.wrapped.ddp  # the Replica the Trainer ran

@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import logging
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
-from dtrain.comm import Topology, barrier
+from dtrain.comm import Topology
 from dtrain.config import load_config
 from dtrain.errors import StallError
-from dtrain.train.rundir import load_run_info, prepare_run_dir
-from dtrain.train.trainer import Trainer
-from tests.distributed.conftest import run_spawned  # the one spawn fixture's function (no second conftest here)
+from tests.distributed.conftest import fixture_trainer, run_spawned  # the one spawn fixture's (no second conftest)
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 TIMEOUT_SECONDS = 4.0
 WARNING_SECONDS = 1.0
 HANG_AT_STEP = 3
@@ -42,17 +38,9 @@ class _Collect(logging.Handler):
 
 
 def _run_until_the_hang_is_caught(topology: Topology, run_dir: str) -> dict[str, Any]:
-    sys.path.insert(0, str(FIXTURES))
-    from digits_trial import DigitsTrial
-
     warnings = _Collect()
     logging.getLogger("dtrain.comm.stall").addHandler(warnings)
-    config = load_config(None, raw=RAW).config
-    if topology.rank == 0:
-        prepare_run_dir(config, Path(run_dir), FIXTURES)
-    barrier()
-    trainer = Trainer(config=config, trial_class=DigitsTrial, topology=topology,
-                      run_info=load_run_info(Path(run_dir)))
+    trainer = fixture_trainer(topology, load_config(None, raw=RAW).config, run_dir)
     try:
         trainer.fit()
     except StallError as exc:

@@ -4,17 +4,14 @@ all-reduce) makes every rank skip that update, and nothing else changes."""
 from __future__ import annotations
 
 import hashlib
-import sys
 from pathlib import Path
 from typing import Any
 
-from faultkit import CONFIG, FIXTURES, dtrain, summary
+from faultkit import CONFIG, dtrain, summary
 
-from dtrain.comm import Topology, barrier
+from dtrain.comm import Topology
 from dtrain.config import load_config
-from dtrain.train.rundir import load_run_info, prepare_run_dir
-from dtrain.train.trainer import Trainer
-from tests.distributed.conftest import run_spawned  # the one spawn fixture's function
+from tests.distributed.conftest import fixture_trainer, run_spawned  # the one spawn fixture's functions
 
 NAN_SETTINGS = ["nan_policy=skip", "debug.nan_rank=1", "debug.nan_batches=[3]", "searcher.max_length={batches: 5}"]
 
@@ -37,14 +34,7 @@ def test_nan_on_one_rank_skips_the_update_on_every_rank(tmp_path: Path) -> None:
 
 
 def _train_with_a_nan_on_rank_1(topology: Topology, run_dir: str) -> dict[str, Any]:
-    sys.path.insert(0, str(FIXTURES))
-    from digits_trial import DigitsTrial
-
-    config = load_config(CONFIG, overrides=NAN_SETTINGS).config
-    if topology.rank == 0:
-        prepare_run_dir(config, Path(run_dir), FIXTURES)
-    barrier()
-    trainer = Trainer(config=config, trial_class=DigitsTrial, topology=topology, run_info=load_run_info(Path(run_dir)))
+    trainer = fixture_trainer(topology, load_config(CONFIG, overrides=NAN_SETTINGS).config, run_dir)
     trainer.fit()
     weights = hashlib.sha256()
     for tensor in trainer.strategy.unwrap_model().state_dict().values():
