@@ -23,9 +23,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import distributed_c10d
 from torch.distributed.elastic.agent.server import local_elastic_agent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ErrorHandler, ProcessFailure
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
@@ -197,6 +199,16 @@ def test_child_failure_fields_launch_reads(tmp_path: Path, monkeypatch: pytest.M
     message = failed.error_file_data["message"]
     assert isinstance(message, dict) and "the worker's own error" in message["message"]
     assert json.loads(error_file.read_text())["message"]["message"] == message["message"]
+
+
+def test_launch_config_takes_what_launch_passes(tmp_path: Path) -> None:
+    """launch.py launch(): torch's launcher API (what torchrun uses; not in torch's documentation)."""
+    logs = DefaultLogsSpecs(log_dir=str(tmp_path))
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, run_id="probe", rdzv_backend="c10d",
+                          rdzv_endpoint="127.0.0.1:29400", rdzv_configs={"is_host": True}, max_restarts=0,
+                          monitor_interval=0.2, local_addr="127.0.0.1", logs_specs=logs)
+    _takes(elastic_launch, config, entrypoint="python")
+    _takes(elastic_launch(config, entrypoint="python"), "-u", "-m", "dtrain.worker")
 
 
 def test_signal_exception_names_its_signal() -> None:
