@@ -7,7 +7,8 @@ decides. Observed in 2-process gloo runs on torch 2.13.0 (tests/distributed/test
 - a collective that times out: RuntimeError "[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting
   1000ms for recv operation to complete" (all_reduce, barrier, broadcast_object_list; async work's wait() too);
 - a collective whose peer died or left: RuntimeError "[.../gloo/transport/tcp/pair.cc:553] Connection closed by
-  peer [127.0.0.1]:port. This is typically caused by a remote worker crashing ...";
+  peer [127.0.0.1]:port. This is typically caused by a remote worker crashing ...", or, depending on how the
+  socket learns it, "[.../pair.cc:537] Read error [127.0.0.1]:port: Connection reset by peer ...";
 - a store get/wait that times out: DistStoreError "wait timeout after 1000ms, keys: ..."; a rendezvous that
   times out: DistStoreError "Timed out after 3 seconds waiting for clients. 1/2 clients joined.";
 - a store whose server died: DistNetworkError "Failed to recv, got 0 bytes. Connection was likely closed. ..."

@@ -116,5 +116,6 @@ def test_a_killed_peer_is_classified_as_a_lost_peer(spawn: Any) -> None:
     zero, _ = spawn(_lost_peers, 2)
     assert zero["exit"] == -signal.SIGKILL
     assert zero["collective"] is not None and zero["collective"][:2] == (Failure.LOST_PEER.value, "RuntimeError")
-    assert "Connection closed by peer" in zero["collective"][2]
+    # gloo says "Connection closed by peer" or "Read error ...: Connection reset by peer", as the socket learns it
+    assert any(text in zero["collective"][2] for text in ("Connection closed by peer", "Connection reset by peer"))
     assert zero["store"] is not None and zero["store"][:2] == (Failure.LOST_PEER.value, "DistNetworkError")
