@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dtrain-setup
 DATA_DIR := /usr/share/datasets/fashion-mnist
 
-.PHONY: setup data demo test test-unit test-distributed test-faults bench lint clean
+.PHONY: setup data demo test test-unit test-distributed test-faults test-root bench lint clean
 
 setup: $(STAMP) data
 
@@ -39,6 +39,7 @@ test: setup
 	$(PY) -m pytest tests/unit -q
 	$(PY) -m pytest tests/distributed -q
 	$(PY) -m pytest tests/faults -q
+	$(PY) -m pytest tests/root -q -rs
 
 test-unit: setup
 	$(PY) -m pytest tests/unit -q
@@ -48,6 +49,10 @@ test-distributed: setup
 
 test-faults: setup
 	$(PY) -m pytest tests/faults -q
+
+# Tests that need root (network namespaces); without it they are skipped and -rs prints why.
+test-root: setup
+	$(PY) -m pytest tests/root -q -rs
 
 bench: setup
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/demo_vs_ddp.py
@@ -62,6 +67,7 @@ bench: setup
 lint: setup
 	$(VENV)/bin/ruff check dtrain tests benchmarks examples
 	$(VENV)/bin/mypy dtrain --ignore-missing-imports
+	$(VENV)/bin/mypy benchmarks --ignore-missing-imports
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

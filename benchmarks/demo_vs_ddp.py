@@ -46,7 +46,7 @@ def hand_written_worker(epochs: int, out: Path, checkpoint_dir: Path) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
     import yaml
-    from model_def import build_cnn
+    from model_def import build_cnn  # type: ignore[attr-defined]  # examples/fashion_mnist's, not diagnose's
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, TensorDataset
     from torch.utils.data.distributed import DistributedSampler
@@ -60,7 +60,8 @@ def hand_written_worker(epochs: int, out: Path, checkpoint_dir: Path) -> None:
     train_images, train_labels = load_fashion_mnist("train").tensors
     test_images, test_labels = load_fashion_mnist("test").tensors
     per_rank = hp["global_batch_size"] // world
-    sampler = DistributedSampler(TensorDataset(train_images, train_labels), shuffle=True, seed=0, drop_last=True)
+    sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(
+        TensorDataset(train_images, train_labels), shuffle=True, seed=0, drop_last=True)
     loader = DataLoader(TensorDataset(train_images, train_labels), batch_size=per_rank, sampler=sampler,
                         drop_last=True)
     model = DistributedDataParallel(build_cnn())

@@ -223,7 +223,8 @@ def plot(rows: list[dict[str, Any]], batches: list[int], path: Path, epochs: int
         line = axes.plot(xs, ys, marker="o", label=recipe.label)[0]
         diverged = [(x, y) for x, y, r in zip(xs, ys, mine, strict=True) if r["accuracy"] is None]
         if diverged:
-            axes.scatter(*zip(*diverged, strict=True), marker="x", s=80, color=line.get_color())
+            diverged_x, diverged_y = zip(*diverged, strict=True)
+            axes.scatter(diverged_x, diverged_y, marker="x", s=80, color=line.get_color())
     axes.set_xscale("log", base=2)
     axes.set_xticks(batches, [str(b) for b in batches])
     axes.set_xlabel("global batch (records per update)")

@@ -197,7 +197,7 @@ def ddp_worker(args: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     sys.path.insert(0, str(WORKLOAD_DIR))
-    from model_def import build_mlp
+    from model_def import build_mlp  # type: ignore[attr-defined]  # examples/synthetic_mlp's, not diagnose's
 
     from dtrain.comm import init_distributed, shutdown_distributed
 
@@ -360,7 +360,7 @@ def main() -> None:
                 for check in checks:
                     print(f"  link check {check}", flush=True)
             order = configs if repeat % 2 == 0 else list(reversed(configs))
-            measured_round = []
+            measured_round: list[tuple[Config, Any, float, int, float]] = []
             for config in order:
                 compute = calibrate_compute(config.workers)
                 guess = predict(config, calibration, compute, model)

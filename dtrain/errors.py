@@ -68,3 +68,7 @@ class CalibrationError(DtrainError):
 
 class DiagnoseError(DtrainError):
     """A `dtrain diagnose` trial failed."""
+
+
+class TorchCompatibilityError(DtrainError):
+    """The installed torch lacks a private torch API dtrain relies on (renamed or removed in another release)."""

@@ -54,7 +54,8 @@ class DiagnoseCNNTrial(dtrain.Trial):
         inputs, labels = batch
         return {"loss": F.cross_entropy(model(inputs), labels)}
 
-    def evaluate_batch(self, batch: tuple[torch.Tensor, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    def evaluate_batch(self, batch: tuple[torch.Tensor, torch.Tensor], model: nn.Module
+                       ) -> dict[str, torch.Tensor | float]:
         inputs, labels = batch
         logits = model(inputs)
         return {"loss": F.cross_entropy(logits, labels), "accuracy": (logits.argmax(1) == labels).float().mean()}

@@ -11,6 +11,7 @@ and the monitor posts an abort notice that the other ranks' monitors see (an inj
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -20,9 +21,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
-from dtrain.errors import StallError
+from dtrain.errors import StallError, TorchCompatibilityError
 
 log = logging.getLogger(__name__)
 
@@ -47,22 +50,43 @@ class Heartbeat:
                        if stale > 5.0 else "")
 
 
+TESTED_TORCH = "2.13.0"  # the torch release whose private APIs tests/unit/test_torch_private_api.py checks
+
+
 def default_store() -> dist.Store | None:
-    """The default process group's store (the rendezvous/worker store), or None without one."""
+    """The default process group's store (the rendezvous/worker store), or None without one. Torch has no
+    public accessor for it: without the private one the heartbeats have no channel, so that is an error."""
     if not dist.is_initialized():
         return None
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    return _get_default_store()
+    getter = getattr(distributed_c10d, "_get_default_store", None)
+    if getter is None:
+        raise TorchCompatibilityError(
+            f"torch {torch.__version__} has no torch.distributed.distributed_c10d._get_default_store, which dtrain's "
+            f"stall detection reads the workers' store with; install torch=={TESTED_TORCH}, the release dtrain is "
+            "tested with")
+    store: dist.Store = getter()
+    return store
 
 
 def set_collective_timeout(seconds: float) -> None:
     """Make the default group's collectives fail after `seconds` (for groups created with another timeout)."""
-    from torch.distributed import distributed_c10d
-
+    if not dist.is_initialized():
+        return
     setter = getattr(distributed_c10d, "_set_pg_timeout", None)
-    if setter is not None and dist.is_initialized():
+    if setter is None:
+        _say_timeout_not_set(seconds)
+    else:
         setter(timedelta(seconds=seconds))
+
+
+@functools.cache
+def _say_timeout_not_set(seconds: float) -> None:
+    """Once per process: without torch's private setter the groups dtrain creates keep the timeout they were
+    created with (the same value), but a group created elsewhere keeps its own."""
+    log.warning("torch %s has no torch.distributed.distributed_c10d._set_pg_timeout: distributed.timeout_seconds "
+                "(%g s) holds only where dtrain created the process group, a group created with another timeout "
+                "keeps that one; install torch==%s, the release dtrain is tested with", torch.__version__, seconds,
+                TESTED_TORCH)
 
 
 class StallMonitor:

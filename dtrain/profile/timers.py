@@ -1,8 +1,8 @@
 """Step-phase timers: where each step's time goes on this rank (data wait, forward, backward, exposed
 communication wait, optimizer, checkpoint, ...), cheap enough to stay on in every run.
 
-Each phase is timed as its own interval, so time no phase covers shows up as a gap between the phases'
-sum and the step's wall time (tests hold it under 5%). The communication a DDP backward pass overlaps
+Each phase is timed as its own interval inside the step, so time no phase covers shows up as a gap between the
+phases' sum and the step's wall time. The communication a DDP backward pass overlaps
 with computation is not a phase; only the part the rank waits for after its last gradient is ready
 ("comm_wait") is, which `split_backward` cuts from the backward interval using the bucket clock. The clock
 learns when gradients are ready in one of two ways: from a hook on every parameter's gradient accumulation

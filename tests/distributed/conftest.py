@@ -4,7 +4,8 @@
 through dtrain.comm (as torchrun would, via RANK/WORLD_SIZE/MASTER_* variables), calls
 `fn(topology, *args)` and returns the results in rank order; an exception in any rank fails the test
 with that rank's traceback. With `servers=S` it starts S more processes, the parameter servers, as the
-launcher does (the last ranks; `fn` runs there too and sees `topology.is_server`).
+launcher does (the last ranks; `fn` runs there too and sees `topology.is_server`). `fixture_trainer` builds a
+Trainer inside such a rank.
 """
 
 from __future__ import annotations
@@ -12,12 +13,21 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.multiprocessing as mp
+
+from dtrain.comm import Topology, barrier
+from dtrain.config import ExperimentConfig
+from dtrain.runs.rundir import load_run_info, prepare_run_dir
+from dtrain.train.trainer import Trainer
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 def _free_port() -> int:
@@ -76,6 +86,20 @@ def run_spawned(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
     if failures:
         pytest.fail("\n".join(failures), pytrace=False)
     return [collected[rank] for rank in range(world_size)]
+
+
+def fixture_trainer(topology: Topology, config: ExperimentConfig, run_dir: str, trial_class: Any = None) -> Trainer:
+    """A Trainer for `config` in a spawned rank, with the digits fixture's Trial unless another is given: rank 0
+    prepares the run dir while the others wait for it."""
+    if trial_class is None:
+        sys.path.insert(0, str(FIXTURES))
+        from digits_trial import DigitsTrial
+
+        trial_class = DigitsTrial
+    if topology.rank == 0:
+        prepare_run_dir(config, Path(run_dir), FIXTURES)
+    barrier()
+    return Trainer(config=config, trial_class=trial_class, topology=topology, run_info=load_run_info(Path(run_dir)))
 
 
 @pytest.fixture(scope="session")  # a plain function: module-scoped fixtures may spawn once for many tests

@@ -4,6 +4,7 @@ file it keeps, and a prediction for this machine made from it. Checks what the n
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -13,15 +14,14 @@ from dtrain.calibrate.calibrate import Calibration, measure_allreduce
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
-def test_allreduce_calibration_fits_the_points() -> None:
-    fit = measure_allreduce([4096, 1 << 20], dtype="float32", ranks=2, rounds=2)
+def test_allreduce_calibration_measures_every_size() -> None:
+    """A smoke test of the measuring path: real processes, one time per size. What the fit makes of the times is
+    tested on given numbers in tests/unit/test_calibration_fit.py; the times themselves depend on the machine."""
+    fit = measure_allreduce([4096, 1 << 20], dtype="float32", ranks=2, rounds=1)
+    assert (fit.ranks, fit.dtype) == (2, "float32")
     assert [size for size, _ in fit.points] == [4096, 1 << 20]
-    assert all(seconds > 0 for _, seconds in fit.points)
-    assert fit.alpha_s >= 0 and fit.beta_s_per_byte >= 0
-    # the fit passes between the points: a two-point fit of the ring form reproduces both
-    for size, seconds in fit.points:
-        predicted = 2 * fit.alpha_s + size * fit.beta_s_per_byte
-        assert abs(predicted - seconds) <= 0.05 * seconds + 1e-6
+    assert all(math.isfinite(seconds) and seconds > 0 for _, seconds in fit.points), fit.points
+    assert fit.alpha_s >= 0 and fit.beta_s_per_byte >= 0 and math.isfinite(fit.alpha_s + fit.beta_s_per_byte)
 
 
 def test_calibrate_then_plan_this_machine(tmp_path: Path) -> None:

@@ -1,21 +1,21 @@
-"""The profiler in a real 2-process run: the phase timers add up to the step time, the exposed communication
-wait is measured, and the timeline is valid Chrome-trace JSON with a span per phase and per gradient bucket."""
+"""The profiler in a real 2-process run: every step's phases are timed and lie within the step, the exposed
+communication wait is recorded, and the timeline is valid Chrome-trace JSON with a span per phase and per gradient
+bucket. Nothing here compares two measured times: how the phases split a step is tested on a fake clock in
+tests/unit/test_profile_timers.py."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-from dtrain.comm import Topology, barrier
+from dtrain.comm import Topology
 from dtrain.config import load_config
 from dtrain.profile import PHASES
-from dtrain.runs.rundir import load_run_info, prepare_run_dir
-from dtrain.train.trainer import Trainer
+from tests.distributed.conftest import fixture_trainer
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 STEPS, BEGIN, END = 16, 4, 7
+STEP_PHASES = ("data", "forward", "backward", "optimizer")  # timed in every step
 
 RAW: dict[str, Any] = {
     "name": "profile", "entrypoint": "digits_trial:DigitsTrial",
@@ -29,18 +29,11 @@ RAW: dict[str, Any] = {
 
 
 def _profiled_run(topology: Topology, run_dir: str) -> dict[str, Any]:
-    sys.path.insert(0, str(FIXTURES))
-    from digits_trial import DigitsTrial
-
-    config = load_config(None, raw=RAW).config
-    if topology.rank == 0:
-        prepare_run_dir(config, Path(run_dir), FIXTURES)
-    barrier()
-    trainer = Trainer(config=config, trial_class=DigitsTrial, topology=topology, run_info=load_run_info(Path(run_dir)))
+    trainer = fixture_trainer(topology, load_config(None, raw=RAW).config, run_dir)
     summary = trainer.fit()
     records = trainer.profiler.timer.records
-    return {"summary": summary, "phase_sum": sum(sum(r.phases.values()) for r in records),
-            "step_sum": sum(r.seconds for r in records), "steps": [r.step for r in records],
+    return {"summary": summary, "steps": [r.step for r in records], "phases": [set(r.phases) for r in records],
+            "overrun": [sum(r.phases.values()) - r.seconds for r in records],
             "comm_wait": [r.phases.get("comm_wait", 0.0) for r in records],
             "checkpoint_steps": [r.step for r in records if "checkpoint" in r.phases]}
 
@@ -49,7 +42,8 @@ def test_phase_timers_add_up_and_the_timeline_is_a_chrome_trace(spawn: Any, tmp_
     results = spawn(_profiled_run, 2, str(tmp_path / "run"))
     for rank, result in enumerate(results):
         assert result["steps"] == list(range(1, STEPS + 1))
-        assert abs(result["phase_sum"] - result["step_sum"]) <= 0.05 * result["step_sum"], (rank, result)
+        assert all(set(STEP_PHASES) <= phases for phases in result["phases"]), (rank, result["phases"])
+        assert all(overrun <= 1e-6 for overrun in result["overrun"]), (rank, result["overrun"])  # within the step
         assert result["checkpoint_steps"] == [8, 16]
         assert all(wait >= 0 for wait in result["comm_wait"]) and sum(result["comm_wait"]) > 0
     profile = results[0]["summary"]["profile"]
@@ -76,20 +70,13 @@ def test_phase_timers_add_up_and_the_timeline_is_a_chrome_trace(spawn: Any, tmp_
                 assert outer["ts"] - 1 <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"] + 1
 
 
-def _timed_run_with_a_straggler(topology: Topology, run_dir: str) -> dict[str, Any]:
-    """Phase timers only (no timeline), rank 1 slowed down: DDP keeps its own all-reduce (no comm hook)."""
-    sys.path.insert(0, str(FIXTURES))
-    from digits_trial import DigitsTrial
-
-    raw = {**RAW, "name": "timers", "profiling": {"enabled": False}, "debug": {"slow_rank": 1, "slow_factor": 4.0},
+def _timed_run(topology: Topology, run_dir: str) -> dict[str, Any]:
+    """Phase timers only (no timeline): DDP keeps its own all-reduce (no comm hook)."""
+    raw = {**RAW, "name": "timers", "profiling": {"enabled": False},
            "min_validation_period": {"batches": 0}, "min_checkpoint_period": {"batches": 0}}
-    config = load_config(None, raw=raw).config
-    if topology.rank == 0:
-        prepare_run_dir(config, Path(run_dir), FIXTURES)
-    barrier()
-    trainer = Trainer(config=config, trial_class=DigitsTrial, topology=topology, run_info=load_run_info(Path(run_dir)))
+    trainer = fixture_trainer(topology, load_config(None, raw=raw).config, run_dir)
     trainer.fit()
-    records = trainer.profiler.timer.records[2:]  # past the warm-up steps (the straggler starts in step 2)
+    records = trainer.profiler.timer.records
     ddp = trainer.wrapped.ddp  # the Replica the Trainer ran
     trainable = [p for p in trainer.model.parameters() if p.requires_grad]
 
@@ -99,21 +86,18 @@ def _timed_run_with_a_straggler(topology: Topology, run_dir: str) -> dict[str, A
     observed = hooks_per_parameter()
     trainer.strategy.observe_buckets(None)  # type: ignore[attr-defined]
     return {"comm_hooks": len(ddp._comm_hooks), "hooks_observed": observed, "hooks_after_stop": hooks_per_parameter(),
-            "phase_sum": sum(sum(r.phases.values()) for r in records), "step_sum": sum(r.seconds for r in records),
-            "comm_wait": sum(r.phases.get("comm_wait", 0.0) for r in records) / len(records),
-            "forward": sum(r.phases.get("forward", 0.0) for r in records) / len(records)}
+            "phases": [set(r.phases) for r in records],
+            "overrun": [sum(r.phases.values()) - r.seconds for r in records],
+            "comm_wait": [r.phases.get("comm_wait", 0.0) for r in records]}
 
 
-def test_timers_without_a_timeline_keep_ddps_allreduce_and_see_the_wait_for_a_straggler(
+def test_timers_without_a_timeline_keep_ddps_allreduce_and_record_the_communication_wait(
         spawn: Any, tmp_path: Path) -> None:
-    fast, slow = spawn(_timed_run_with_a_straggler, 2, str(tmp_path / "run"))
-    for result in (fast, slow):
+    for result in spawn(_timed_run, 2, str(tmp_path / "run")):
         assert result["comm_hooks"] == 0, "the phase timers alone registered a Python comm hook"
         assert result["hooks_observed"] == [1] * 4, result["hooks_observed"]  # one per weight and bias of 2 layers
         assert result["hooks_after_stop"] == [0] * 4, "observe_buckets(None) left gradient hooks behind"
-        assert abs(result["phase_sum"] - result["step_sum"]) <= 0.05 * result["step_sum"], result
-    delay = slow["forward"] - fast["forward"]  # the straggler's injected delay is part of its forward phase
-    assert delay > 0.5 * slow["forward"], (fast, slow)
-    # the fast rank waits for the straggler in its backward pass's all-reduce, after its own last gradient
-    assert fast["comm_wait"] >= 0.5 * delay, (fast, slow)
-    assert slow["comm_wait"] < 0.25 * fast["comm_wait"], (fast, slow)
+        assert all(set(STEP_PHASES) <= phases for phases in result["phases"]), result["phases"]
+        assert all(overrun <= 1e-6 for overrun in result["overrun"]), result["overrun"]
+        # the wait after the last gradient, until DDP's all-reduce finished: recorded, never negative
+        assert all(wait >= 0 for wait in result["comm_wait"]) and sum(result["comm_wait"]) > 0, result["comm_wait"]

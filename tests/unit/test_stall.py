@@ -13,7 +13,7 @@ import torch.distributed as dist
 from dtrain.comm import stall
 from dtrain.comm.stall import Heartbeat, StallMonitor
 from dtrain.config import Debug
-from dtrain.errors import StallError
+from dtrain.errors import StallError, TorchCompatibilityError
 from dtrain.profile.timers import PHASES, Activity
 from dtrain.train.faults import FaultInjector
 
@@ -191,3 +191,30 @@ def test_the_thread_beats_at_start_and_stops_promptly() -> None:
     finally:
         one.stop()
     assert not one._thread.is_alive()
+
+
+@pytest.fixture
+def torch_without_private_api(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch release that renamed the private functions comm/stall.py uses, with a process group."""
+    monkeypatch.setattr(stall.dist, "is_initialized", lambda: True)
+    monkeypatch.delattr(stall.distributed_c10d, "_get_default_store")
+    monkeypatch.delattr(stall.distributed_c10d, "_set_pg_timeout")
+    stall._say_timeout_not_set.cache_clear()
+
+
+@pytest.mark.usefixtures("torch_without_private_api")
+def test_without_the_private_store_getter_stall_detection_stops_with_a_named_error() -> None:
+    with pytest.raises(TorchCompatibilityError, match=r"has no torch\.distributed\.distributed_c10d\."
+                                                      r"_get_default_store.*install torch==2\.13\.0"):
+        stall.default_store()
+
+
+@pytest.mark.usefixtures("torch_without_private_api")
+def test_without_the_private_timeout_setter_the_lost_timeout_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger=stall.log.name):
+        stall.set_collective_timeout(30.0)
+        stall.set_collective_timeout(30.0)
+    [record] = caplog.records
+    message = record.getMessage()
+    assert "_set_pg_timeout: distributed.timeout_seconds (30 s) holds only where dtrain created the process" in message
+    assert message.endswith("install torch==2.13.0, the release dtrain is tested with")
