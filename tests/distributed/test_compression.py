@@ -19,7 +19,7 @@ import yaml
 from torch import nn
 
 from dtrain.comm import Topology, all_gather_object
-from dtrain.compress import REGISTRY, BucketInfo, Compressor, build_compressor
+from dtrain.compress import REGISTRY, BucketInfo, Compressor, WireStats, build_compressor
 from dtrain.compress.local import reduce_locally
 from dtrain.compress.powersgd import PowerSGD
 from dtrain.sync.allreduce import AllReduceStrategy
@@ -49,8 +49,8 @@ def record(compressor: Compressor, inputs: list[tuple[torch.Tensor, BucketInfo]]
 
     def recording_decompress(received: Any, ctx: Any) -> Any:
         result = decompress(received, ctx)
-        if isinstance(result, torch.Tensor):
-            outputs.append(result.detach().clone())
+        if result.gradient is not None:
+            outputs.append(result.gradient.detach().clone())
         return result
 
     compressor.compress = recording_compress  # type: ignore[method-assign]
@@ -72,6 +72,7 @@ def _hook_against_reference(topology: Topology) -> dict[str, Any]:
         wrapped = strategy.wrap_model(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         references = [build_compressor(name, **OPTIONS.get(name, {})) for _ in range(topology.world_size)]
+        meters = [WireStats() for _ in references]
         worst, wire = 0.0, []
         for step in range(4):
             inputs.clear()
@@ -83,12 +84,13 @@ def _hook_against_reference(topology: Topology) -> dict[str, Any]:
             shared = all_gather_object((inputs[0][0], dataclasses.asdict(inputs[0][1])))
             infos = [BucketInfo(**{**info, "spans": tuple(info["spans"]), "positions": tuple(info["positions"])})
                      for _, info in shared]
-            expected = reduce_locally(references, [tensor for tensor, _ in shared], infos=infos)[topology.rank]
+            expected = reduce_locally(references, [tensor for tensor, _ in shared], infos=infos,
+                                      meters=meters)[topology.rank]
             worst = max(worst, float((outputs[0] - expected).abs().max()))
             grads = sorted(float(v) for p in model.parameters() for v in p.grad.reshape(-1))  # type: ignore[union-attr]
             assert grads == sorted(float(v) for v in outputs[0]), f"{name}: the optimizer saw other gradients"
             stats = strategy.take_wire_stats()
-            reference_stats = references[topology.rank].wire.take()
+            reference_stats = meters[topology.rank].take()
             assert stats is not None
             wire.append((stats.payload_bytes, reference_stats.payload_bytes, stats.wire_bytes))
             optimizer.zero_grad(set_to_none=True)
