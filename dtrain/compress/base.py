@@ -59,11 +59,14 @@ class BucketInfo:
 
 @dataclass
 class Round:
-    """One collective a compressor asks for: `payloads` go on the wire, `ctx` comes back to decompress."""
+    """One collective a compressor asks for: `payloads` go on the wire, `ctx` comes back to decompress.
+    `final` is False when decompressing this round will ask for another one (the hook then issues no other
+    bucket's collective before that one, so that every rank issues them in the same order)."""
 
     collective: Collective
     payloads: list[torch.Tensor]
     ctx: Any = None
+    final: bool = True
 
     @property
     def payload_bytes(self) -> int:

@@ -48,6 +48,7 @@ def reduce_locally(compressors: Sequence[Compressor], tensors: Sequence[torch.Te
         if not further:
             break
         assert len(further) == world, "ranks must agree on the number of rounds"
+        assert not rounds[0].final, "a round followed by another must say so (final=False)"
         rounds = further
     for compressor, info in zip(compressors, infos, strict=True):
         compressor.state.end_bucket(info)

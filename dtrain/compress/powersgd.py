@@ -136,7 +136,7 @@ class PowerSGD(Compressor):
         for matrix, q, p in zip(self._matrix_views(work, plan), qs, ps, strict=True):
             torch.mm(matrix[0], q[0].t().contiguous().t(), out=p[0])  # M Q, Q column-major: much faster on CPUs
         ctx = ("p", key, plan, work, flat, bucket.divisor, tensor.dtype)
-        return Round("all_reduce", [whole, self.p_memory[key]], ctx)
+        return Round("all_reduce", [whole, self.p_memory[key]], ctx, final=False)
 
     def decompress(self, received: Any, ctx: Any) -> Decoded:
         if ctx[0] == "whole":

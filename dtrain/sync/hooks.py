@@ -11,6 +11,7 @@ hook counts the bytes of every collective where it issues it, in the `WireStats`
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at registration as real objects.
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -33,6 +34,7 @@ class HookState:
     compressor: Compressor = field(default_factory=NoCompression)
     parameter_positions: dict[int, float] = field(default_factory=dict)  # id(parameter) -> 0 (first) .. 1 (last)
     wire: WireStats = field(default_factory=WireStats)
+    unfinished: torch.futures.Future[torch.Tensor] | None = None  # a bucket with rounds still to issue
 
     def __post_init__(self) -> None:
         if self.op == "adasum" and not isinstance(self.compressor, NoCompression):
@@ -114,6 +116,16 @@ def run_round(round_: Round, group: dist.ProcessGroup | None, wire: WireStats) -
     return work.get_future().then(lambda _: [_unpack(part, payloads) for part in gathered])
 
 
+def wait_for_unfinished_bucket(state: HookState) -> None:
+    """Every rank must issue its collectives in the same order. A bucket's further rounds are issued from a
+    callback, at a moment that differs between ranks, so the next bucket's collectives wait until they are
+    done. A failure there reaches backward() through that bucket's own future."""
+    unfinished, state.unfinished = state.unfinished, None
+    if unfinished is not None:
+        with suppress(Exception):
+            unfinished.wait()
+
+
 def combine_bucket(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The comm hook registered on DDP: reduce one bucket with `state.op` and return its future."""
     buffer = bucket.buffer()
@@ -125,6 +137,7 @@ def combine_bucket(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
             done.set_exception(exc)  # type: ignore[arg-type]
         return done
     compressor, info = state.compressor, bucket_info(state, bucket)
+    wait_for_unfinished_bucket(state)
     state.wire.record_bucket(buffer.numel() * buffer.element_size(), info.world_size)
     first = compressor.compress(buffer, info)
 
@@ -139,7 +152,10 @@ def combine_bucket(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
             buffer.copy_(result.view_as(buffer))
         return buffer
 
-    return run_round(first, state.group, state.wire).then(finish)
+    combined = run_round(first, state.group, state.wire).then(finish)
+    if not first.final:
+        state.unfinished = combined
+    return combined
 
 
 class BucketObserver(Protocol):
