@@ -1,13 +1,14 @@
 """Gradient compressors, picked by name (`distributed.compression.name`): none, fp16, bf16, qsgd, topk,
 powersgd, sign, bounded_loss. Each turns a gradient bucket into rounds of communication and back
-(`dtrain.compress.base`); `dtrain.sync.hooks` runs them inside DDP's backward pass."""
+(`dtrain.compress.base`); `dtrain.sync.hooks` runs them inside DDP's backward pass. How to add one:
+docs/compression.md."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from dtrain.compress.base import BucketInfo, Compressor, Round, WireStats, wire_bytes
+from dtrain.compress.base import BucketInfo, Compressor, CompressorState, Decoded, Round, WireStats, wire_bytes
 from dtrain.compress.bounded_loss import BoundedLoss
 from dtrain.compress.cast import CastCompression, NoCompression, bf16, fp16
 from dtrain.compress.powersgd import PowerSGD
@@ -37,6 +38,6 @@ def build_compressor(name: CompressorName, **options: Any) -> Compressor:
     return REGISTRY[name](**{key: value for key, value in options.items() if value is not None})
 
 
-__all__ = ["REGISTRY", "BoundedLoss", "BucketInfo", "CastCompression", "Compressor", "NoCompression", "PowerSGD",
-           "QSGD", "Round", "SignCompression", "TopK", "WireStats", "bf16", "build_compressor", "fp16",
-           "wire_bytes"]
+__all__ = ["REGISTRY", "BoundedLoss", "BucketInfo", "CastCompression", "Compressor", "CompressorState", "Decoded",
+           "NoCompression", "PowerSGD", "QSGD", "Round", "SignCompression", "TopK", "WireStats", "bf16",
+           "build_compressor", "fp16", "wire_bytes"]

@@ -1,13 +1,16 @@
 """What every compressor shares: the per-bucket facts it is given, the rounds of communication it asks for,
-error feedback, and the count of bytes it puts on the wire.
+what decompressing a round gives back, the state it carries between steps, and the ring model of the bytes
+a collective puts on the wire.
 
 A compressor turns one gradient bucket into one or more rounds of communication. `compress(tensor, bucket)`
 returns the first `Round` (payload tensors, the collective that carries them, and a context); after the
-collective, `decompress(received, ctx)` returns either the combined gradient (the sum over ranks divided
-by `bucket.divisor`) or the next `Round` (PowerSGD needs two). Payloads of an `all_reduce` round are summed
-by the collective; payloads of an `all_gather` round come back as one list per rank. The compressors never
-call torch.distributed: `dtrain.sync.hooks` runs their rounds on the real process group, and
-`dtrain.compress.local` runs them in one process for tests and references.
+collective, `decompress(received, ctx)` returns a `Decoded`: either done, with the combined gradient (the
+sum over ranks divided by `bucket.divisor`), or the next `Round` to run (PowerSGD needs two). Payloads of an
+`all_reduce` round are summed by the collective; payloads of an `all_gather` round come back as one list per
+rank. Whatever a compressor keeps from one step to the next lives in its `state` (`CompressorState`). The
+compressors never call torch.distributed and count no bytes: `dtrain.sync.hooks` runs their rounds on the real
+process group and counts each one, and `dtrain.compress.local` does both in one process for tests and
+references.
 """
 
 from __future__ import annotations
@@ -56,15 +59,35 @@ class BucketInfo:
 
 @dataclass
 class Round:
-    """One collective a compressor asks for: `payloads` go on the wire, `ctx` comes back to decompress."""
+    """One collective a compressor asks for: `payloads` go on the wire, `ctx` comes back to decompress.
+    `final` is False when decompressing this round will ask for another one (the hook then issues no other
+    bucket's collective before that one, so that every rank issues them in the same order)."""
 
     collective: Collective
     payloads: list[torch.Tensor]
     ctx: Any = None
+    final: bool = True
 
     @property
     def payload_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.payloads)
+
+
+@dataclass
+class Decoded:
+    """What `decompress` returns: `Decoded.done(gradient)` once the bucket is combined, or
+    `Decoded.then(round)` when another round of communication must run first."""
+
+    gradient: torch.Tensor | None = None
+    next_round: Round | None = None
+
+    @classmethod
+    def done(cls, gradient: torch.Tensor) -> Decoded:
+        return cls(gradient=gradient)
+
+    @classmethod
+    def then(cls, next_round: Round) -> Decoded:
+        return cls(next_round=next_round)
 
 
 def wire_bytes(collective: Collective, payload_bytes: int, world_size: int) -> float:
@@ -80,7 +103,8 @@ def wire_bytes(collective: Collective, payload_bytes: int, world_size: int) -> f
 @dataclass
 class WireStats:
     """Bytes a rank handed to collectives since the last `take()`, beside what dense fp32 all-reduces of the
-    same buckets would have cost."""
+    same buckets would have cost. Filled by whoever issues the collectives (the comm hook, or the one-process
+    runner), never by the compressors."""
 
     payload_bytes: int = 0
     wire_bytes: float = 0.0
@@ -121,12 +145,20 @@ class WireStats:
 
 
 @dataclass
-class ErrorFeedback:
-    """Residuals of what compression left out, one per bucket (Seide et al. 2014; Stich et al. 2018):
-    a = g + e; send c(a); e = a - c(a). A bucket whose size changed (DDP rebuilds its buckets after the
-    first step) starts again from zero."""
+class CompressorState:
+    """All a compressor carries from one step to the next (as torch's comm-hook states do): the count of
+    communicating steps (warm-ups, PowerSGD's start), the error-feedback residual of each bucket, and other
+    per-bucket tensors under a name (`per_bucket`: PowerSGD's P and Q, bounded loss's chunk importance).
 
+    Error feedback (Seide et al. 2014; Stich et al. 2018): a = g + e; send c(a); e = a - c(a). A bucket whose
+    size changed (DDP rebuilds its buckets after the first step) starts again from zero. Only the step count
+    is checkpointed: residuals and the per-bucket tensors are every rank's own and rank 0 writes checkpoints,
+    so a resumed run starts them again from zero.
+    """
+
+    steps: int = 0  # communicating steps seen (advanced after the last bucket of each step)
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)
+    memory: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
 
     def add_residual(self, key: int, tensor: torch.Tensor) -> torch.Tensor:
         """g + e as a new tensor (the bucket is left untouched)."""
@@ -135,44 +167,50 @@ class ErrorFeedback:
             return tensor.clone()
         return tensor + residual
 
-    def keep(self, key: int, accumulated: torch.Tensor, sent: torch.Tensor) -> None:
+    def keep_residual(self, key: int, accumulated: torch.Tensor, sent: torch.Tensor) -> None:
         self.residuals[key] = accumulated - sent
 
-    def residual(self, key: int) -> torch.Tensor | None:
-        return self.residuals.get(key)
+    def per_bucket(self, name: str) -> dict[int, torch.Tensor]:
+        """The tensors kept under `name`, by bucket key."""
+        return self.memory.setdefault(name, {})
+
+    def end_bucket(self, bucket: BucketInfo) -> None:
+        """Called by whoever runs the rounds once a bucket is combined: counts steps."""
+        if bucket.is_last:
+            self.steps += 1
+
+    def state_dict(self, owner: str) -> dict[str, Any]:
+        """What a resumed run keeps: the step count (warm-ups continue), under the compressor's name."""
+        return {"name": owner, "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any], owner: str) -> None:
+        """Take the step count of a checkpoint written by the same compressor (another one's is ignored)."""
+        if state.get("name") == owner:
+            self.steps = int(state.get("steps", 0))
 
 
 class Compressor:
-    """Base of every compressor: the wire count, the step counter and the (counter-only) checkpoint state.
-    `compress` may use the bucket it is given as scratch space and `decompress` may write the result into it
-    (the hook copies the result into the bucket anyway), so callers must not expect the input unchanged."""
+    """Base of every compressor: its name, its `state`, and the protocol. `compress` may use the bucket it is
+    given as scratch space and `decompress` may write the result into it (the hook copies the result into
+    the bucket anyway), so callers must not expect the input unchanged."""
 
     name = "base"
 
     def __init__(self) -> None:
-        self.wire = WireStats()
-        self.steps = 0  # communicating steps seen (advanced after the last bucket of each step)
+        self.state = CompressorState()
 
     # ------------------------------------------------------------------------------------ protocol
     def compress(self, tensor: torch.Tensor, bucket: BucketInfo) -> Round:
         raise NotImplementedError
 
-    def decompress(self, received: Any, ctx: Any) -> torch.Tensor | Round:
+    def decompress(self, received: Any, ctx: Any) -> Decoded:
         raise NotImplementedError
 
-    def end_bucket(self, bucket: BucketInfo) -> None:
-        """Called by the hook once a bucket is done; counts steps."""
-        if bucket.is_last:
-            self.steps += 1
-
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run keeps: the step count (warm-ups continue). Residuals are per rank and are not
-        checkpointed (rank 0 writes checkpoints); error feedback starts again from zero after a resume."""
-        return {"name": self.name, "steps": self.steps}
+        return self.state.state_dict(self.name)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("name") == self.name:
-            self.steps = int(state.get("steps", 0))
+        self.state.load_state_dict(state, self.name)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name}

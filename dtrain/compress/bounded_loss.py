@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from dtrain.compress.base import BucketInfo, Compressor, ErrorFeedback, Round
+from dtrain.compress.base import BucketInfo, Compressor, Decoded, Round
 
 
 class BoundedLoss(Compressor):
@@ -34,11 +34,15 @@ class BoundedLoss(Compressor):
         self.epsilon = epsilon
         self.chunk_size = chunk_size
         self.layer_priority = layer_priority
-        self.feedback = ErrorFeedback() if error_feedback and epsilon > 0 else None
-        self.importance: dict[int, torch.Tensor] = {}  # per bucket, per chunk, from the last combined gradient
-        self._weights: dict[int, torch.Tensor] = {}
-        self.dropped_chunks = 0
+        self.error_feedback = error_feedback and epsilon > 0
+        self._weights: dict[int, torch.Tensor] = {}  # a cache of each bucket's chunk weights (from its layout)
+        self.dropped_chunks = 0  # for describe()
         self.total_chunks = 0
+
+    @property
+    def importance(self) -> dict[int, torch.Tensor]:
+        """Per bucket, each chunk's mean magnitude in the last combined gradient (the same on every rank)."""
+        return self.state.per_bucket("importance")
 
     def chunk_weights(self, bucket: BucketInfo, chunks: int) -> torch.Tensor:
         """Layer priority of each chunk: that of the gradient tensor its first element belongs to."""
@@ -64,27 +68,27 @@ class BoundedLoss(Compressor):
     def compress(self, tensor: torch.Tensor, bucket: BucketInfo) -> Round:
         flat = tensor.reshape(-1)
         chunks = math.ceil(flat.numel() / self.chunk_size)
-        source = self.feedback.add_residual(bucket.key, flat) if self.feedback else flat
+        source = self.state.add_residual(bucket.key, flat) if self.error_feedback else flat
         kept = self.kept_chunks(bucket, chunks)
         divisor = bucket.divisor  # divided before the all-reduce, as DDP's reducer does
         self.total_chunks += chunks
         if kept is None:
             payload = source / divisor if divisor != 1 else source.clone()
-            if self.feedback:
-                self.feedback.residuals.pop(bucket.key, None)  # everything went out
+            if self.error_feedback:
+                self.state.residuals.pop(bucket.key, None)  # everything went out
         else:
             padded = torch.zeros(chunks * self.chunk_size, dtype=flat.dtype)
             padded[: flat.numel()] = source
             rows = padded.view(chunks, self.chunk_size)[kept]
             payload = (rows / divisor if divisor != 1 else rows).reshape(-1)
             self.dropped_chunks += chunks - kept.numel()
-            if self.feedback:
+            if self.error_feedback:
                 sent = torch.zeros_like(padded).view(chunks, self.chunk_size)
                 sent[kept] = rows
-                self.feedback.keep(bucket.key, source, sent.view(-1)[: flat.numel()])
+                self.state.keep_residual(bucket.key, source, sent.view(-1)[: flat.numel()])
         return Round("all_reduce", [payload], (bucket, flat.numel(), chunks, kept))
 
-    def decompress(self, received: Any, ctx: Any) -> torch.Tensor:
+    def decompress(self, received: Any, ctx: Any) -> Decoded:
         bucket, numel, chunks, kept = ctx
         total: torch.Tensor = received[0]
         if kept is not None:
@@ -95,10 +99,10 @@ class BoundedLoss(Compressor):
             padded = torch.zeros(chunks * self.chunk_size, dtype=torch.float64)
             padded[:numel] = total.abs()
             self.importance[bucket.key] = padded.view(chunks, self.chunk_size).mean(dim=1)
-        return total
+        return Decoded.done(total)
 
     def describe(self) -> dict[str, Any]:
         dropped = self.dropped_chunks / self.total_chunks if self.total_chunks else 0.0
         return {"name": self.name, "epsilon": self.epsilon, "chunk_size": self.chunk_size,
-                "layer_priority": self.layer_priority, "error_feedback": self.feedback is not None,
+                "layer_priority": self.layer_priority, "error_feedback": self.error_feedback,
                 "fraction_of_chunks_dropped": dropped}

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from dtrain.compress.base import BucketInfo, Compressor, Round
+from dtrain.compress.base import BucketInfo, Compressor, Decoded, Round
 
 
 class NoCompression(Compressor):
@@ -20,9 +20,8 @@ class NoCompression(Compressor):
     def compress(self, tensor: torch.Tensor, bucket: BucketInfo) -> Round:
         return Round("all_reduce", [tensor.div_(bucket.divisor) if bucket.divisor != 1 else tensor])
 
-    def decompress(self, received: Any, ctx: Any) -> torch.Tensor:
-        total: torch.Tensor = received[0]
-        return total
+    def decompress(self, received: Any, ctx: Any) -> Decoded:
+        return Decoded.done(received[0])
 
 
 class CastCompression(Compressor):
@@ -37,8 +36,8 @@ class CastCompression(Compressor):
         scaled = tensor / bucket.divisor if bucket.divisor != 1 else tensor
         return Round("all_reduce", [scaled.to(self.wire_dtype)], tensor.dtype)
 
-    def decompress(self, received: Any, ctx: Any) -> torch.Tensor:
-        return received[0].to(ctx)
+    def decompress(self, received: Any, ctx: Any) -> Decoded:
+        return Decoded.done(received[0].to(ctx))
 
 
 def fp16() -> CastCompression:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dtrain.compress.base import BucketInfo, Compressor, Round
+from dtrain.compress.base import BucketInfo, Compressor, Decoded, Round
 
 
 def orthogonalize(matrices: torch.Tensor, epsilon: float = 0.0) -> None:
@@ -67,9 +67,16 @@ class PowerSGD(Compressor):
         self.epsilon = epsilon
         self.seed = seed
         self._rng = np.random.RandomState(seed)
-        self.errors: dict[int, torch.Tensor] = {}
-        self.p_memory: dict[int, torch.Tensor] = {}
-        self.q_memory: dict[int, torch.Tensor] = {}
+
+    @property
+    def p_memory(self) -> dict[int, torch.Tensor]:
+        """Per bucket, P of the last step (all matrices' factors one after the other)."""
+        return self.state.per_bucket("p")
+
+    @property
+    def q_memory(self) -> dict[int, torch.Tensor]:
+        """Per bucket, Q of the last step: the warm start of the next power iteration."""
+        return self.state.per_bucket("q")
 
     def plan(self, bucket: BucketInfo) -> _Plan:
         matrices, whole, p_size, q_size = [], [], 0, 0
@@ -104,14 +111,12 @@ class PowerSGD(Compressor):
 
     def compress(self, tensor: torch.Tensor, bucket: BucketInfo) -> Round:
         flat = tensor.reshape(-1)
-        if self.steps < self.start_iter:
+        if self.state.steps < self.start_iter:
             return Round("all_reduce", [flat / bucket.divisor], ("whole", tensor.dtype))
         key = bucket.key
         plan = self.plan(bucket)
-        work = flat  # the gradient (+ error); the result is written into the bucket `flat` at the end
-        if self.error_feedback:
-            error = self.errors.get(key)
-            work = flat + error if error is not None and error.shape == flat.shape else flat.clone()
+        # the gradient (+ error); the result is written into the bucket `flat` at the end
+        work = self.state.add_residual(key, flat) if self.error_feedback else flat
         whole = torch.cat([work[o : o + n] for o, n in plan.whole]) if plan.whole else work.new_empty(0)
         fresh = not self.warm_start or key not in self.p_memory or self.p_memory[key].numel() != plan.p_size
         if fresh:
@@ -131,11 +136,11 @@ class PowerSGD(Compressor):
         for matrix, q, p in zip(self._matrix_views(work, plan), qs, ps, strict=True):
             torch.mm(matrix[0], q[0].t().contiguous().t(), out=p[0])  # M Q, Q column-major: much faster on CPUs
         ctx = ("p", key, plan, work, flat, bucket.divisor, tensor.dtype)
-        return Round("all_reduce", [whole, self.p_memory[key]], ctx)
+        return Round("all_reduce", [whole, self.p_memory[key]], ctx, final=False)
 
-    def decompress(self, received: Any, ctx: Any) -> torch.Tensor | Round:
+    def decompress(self, received: Any, ctx: Any) -> Decoded:
         if ctx[0] == "whole":
-            return received[0].to(ctx[1])
+            return Decoded.done(received[0].to(ctx[1]))
         stage, key, plan, work, out, divisor, dtype = ctx
         if stage == "p":
             whole = received[0].div_(divisor)
@@ -150,18 +155,18 @@ class PowerSGD(Compressor):
             qs = self._views(self.q_memory[key], plan, 2)
             for matrix, p, q in zip(self._matrix_views(work, plan), ps, qs, strict=True):
                 q[0].copy_((p[0].t() @ matrix[0]).t())  # M^T P as (P^T M)^T: M is read row by row
-            return Round("all_reduce", [self.q_memory[key]], ("q", key, plan, work, out, divisor, dtype))
+            return Decoded.then(Round("all_reduce", [self.q_memory[key]], ("q", key, plan, work, out, divisor, dtype)))
         self.q_memory[key] = received[0].div_(divisor)
         ps = self._views(self.p_memory[key], plan, 1)
         qs = self._views(self.q_memory[key], plan, 2)
         for p, q, matrix in zip(ps, qs, self._matrix_views(out, plan), strict=True):
             torch.mm(p[0], q[0].t(), out=matrix[0])
         if self.error_feedback:
-            self.errors[key] = work - out
+            self.state.keep_residual(key, work, out)
         if not self.warm_start:
             self.p_memory.clear()
             self.q_memory.clear()
-        return out if out.dtype == dtype else out.to(dtype)
+        return Decoded.done(out if out.dtype == dtype else out.to(dtype))
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "rank": self.rank, "start_iter": self.start_iter,

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from dtrain.compress.base import BucketInfo, Compressor, ErrorFeedback, Round
+from dtrain.compress.base import BucketInfo, Compressor, Decoded, Round
 
 
 class QSGD(Compressor):
@@ -30,7 +30,7 @@ class QSGD(Compressor):
         self.levels = levels
         self.chunk_size = chunk_size
         self.norm = norm
-        self.feedback = ErrorFeedback() if error_feedback else None
+        self.error_feedback = error_feedback
         self.seed = seed
         self._generator: torch.Generator | None = None
 
@@ -62,19 +62,19 @@ class QSGD(Compressor):
 
     def compress(self, tensor: torch.Tensor, bucket: BucketInfo) -> Round:
         flat = tensor.reshape(-1)
-        source = self.feedback.add_residual(bucket.key, flat) if self.feedback else flat
+        source = self.state.add_residual(bucket.key, flat) if self.error_feedback else flat
         signed, norms = self.quantize(source, self._rng(bucket.rank))
-        if self.feedback:
-            self.feedback.keep(bucket.key, source, self.dequantize(signed, norms, flat.numel()))
+        if self.error_feedback:
+            self.state.keep_residual(bucket.key, source, self.dequantize(signed, norms, flat.numel()))
         return Round("all_gather", [norms, signed], (flat.numel(), tensor.dtype, bucket.divisor))
 
-    def decompress(self, received: Any, ctx: Any) -> torch.Tensor:
+    def decompress(self, received: Any, ctx: Any) -> Decoded:
         numel, dtype, divisor = ctx
         total = torch.zeros(numel, dtype=dtype)
         for norms, signed in received:  # rank order
             total.add_(self.dequantize(signed, norms, numel))
-        return total / divisor if divisor != 1 else total
+        return Decoded.done(total / divisor if divisor != 1 else total)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "levels": self.levels, "chunk_size": self.chunk_size, "norm": self.norm,
-                "error_feedback": self.feedback is not None}
+                "error_feedback": self.error_feedback}

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dtrain.compress.base import BucketInfo, Compressor, ErrorFeedback, Round
+from dtrain.compress.base import BucketInfo, Compressor, Decoded, Round
 
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 
@@ -46,17 +46,17 @@ class SignCompression(Compressor):
 
     def __init__(self, error_feedback: bool = True) -> None:
         super().__init__()
-        self.feedback = ErrorFeedback() if error_feedback else None
+        self.error_feedback = error_feedback
 
     def compress(self, tensor: torch.Tensor, bucket: BucketInfo) -> Round:
         flat = tensor.reshape(-1)
-        accumulated = self.feedback.add_residual(bucket.key, flat) if self.feedback else flat
+        accumulated = self.state.add_residual(bucket.key, flat) if self.error_feedback else flat
         spans = segments(bucket, flat.numel())
         scales = torch.stack([accumulated[o : o + n].abs().mean() for o, n in spans])
         packed = pack_signs(accumulated)
-        if self.feedback:  # residual = accumulated - sent, computed in place
+        if self.error_feedback:  # residual = accumulated - sent, computed in place
             accumulated.sub_(self._decode(packed, scales, spans, flat.numel()))
-            self.feedback.residuals[bucket.key] = accumulated
+            self.state.residuals[bucket.key] = accumulated
         return Round("all_gather", [scales, packed], (flat, spans, bucket.divisor))
 
     @staticmethod
@@ -66,13 +66,13 @@ class SignCompression(Compressor):
             signs[offset : offset + length].mul_(scale)
         return signs
 
-    def decompress(self, received: Any, ctx: Any) -> torch.Tensor:
+    def decompress(self, received: Any, ctx: Any) -> Decoded:
         """The sum of every rank's signs times its scales, written into the bucket itself."""
         out, spans, divisor = ctx
         for rank, (scales, packed) in enumerate(received):
             decoded = self._decode(packed, scales / divisor if divisor != 1 else scales, spans, out.numel())
             out.copy_(decoded) if rank == 0 else out.add_(decoded)
-        return out
+        return Decoded.done(out)
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "error_feedback": self.feedback is not None}
+        return {"name": self.name, "error_feedback": self.error_feedback}

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dtrain.compress.base import BucketInfo, Compressor, ErrorFeedback, Round
+from dtrain.compress.base import BucketInfo, Compressor, Decoded, Round
 
 _SAMPLE = 20_000  # entries sampled to estimate the threshold
 _SLACK = 1.5  # aim the threshold at 1.5 k candidates so that at least k pass it
@@ -50,7 +50,7 @@ class TopK(Compressor):
         if not 0 < ratio <= 1:
             raise ValueError(f"topk ratio {ratio} must be in (0, 1]")
         self.ratio = ratio
-        self.feedback = ErrorFeedback() if error_feedback else None
+        self.error_feedback = error_feedback
         self.warmup_steps = warmup_steps
         self.warmup_start_ratio = max(warmup_start_ratio, ratio)
         self._generator = torch.Generator().manual_seed(seed)
@@ -66,22 +66,22 @@ class TopK(Compressor):
 
     def compress(self, tensor: torch.Tensor, bucket: BucketInfo) -> Round:
         flat = tensor.reshape(-1)
-        accumulated = self.feedback.add_residual(bucket.key, flat) if self.feedback else flat
-        indices = top_k_indices(accumulated, self.k_for(flat.numel(), self.steps), self._generator)
+        accumulated = self.state.add_residual(bucket.key, flat) if self.error_feedback else flat
+        indices = top_k_indices(accumulated, self.k_for(flat.numel(), self.state.steps), self._generator)
         values = accumulated[indices]
-        if self.feedback:  # the residual is what was not sent: the accumulated gradient with the sent entries zeroed
+        if self.error_feedback:  # the residual is what was not sent: the accumulated gradient, sent entries zeroed
             accumulated[indices] = 0
-            self.feedback.residuals[bucket.key] = accumulated
+            self.state.residuals[bucket.key] = accumulated
         return Round("all_gather", [values, indices.to(torch.int32)], (flat, bucket.divisor))
 
-    def decompress(self, received: Any, ctx: Any) -> torch.Tensor:
+    def decompress(self, received: Any, ctx: Any) -> Decoded:
         """The sum of every rank's entries, written into the bucket itself (it is no longer needed)."""
         out, divisor = ctx
         out.zero_()
         for values, indices in received:
             out.index_add_(0, indices.to(torch.int64), values / divisor if divisor != 1 else values)
-        return out
+        return Decoded.done(out)
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "ratio": self.ratio, "error_feedback": self.feedback is not None,
+        return {"name": self.name, "ratio": self.ratio, "error_feedback": self.error_feedback,
                 "warmup_steps": self.warmup_steps, "warmup_start_ratio": self.warmup_start_ratio}

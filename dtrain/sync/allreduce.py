@@ -94,6 +94,7 @@ class AllReduceStrategy:
         self.auto_tune_fusion = auto_tune_fusion
         self.find_unused_parameters = find_unused_parameters
         self.compressor: Compressor = compressor or NoCompression()
+        self._wire = WireStats()  # what this rank sent: counted by the comm hook, or in step() without it
         self._hooked = False
         self._gradient_bytes = 0
         self._tuner_settings = (tuner_steps_per_visit, tuner_rounds, tuner_warmup_steps)
@@ -146,14 +147,14 @@ class AllReduceStrategy:
         if self._replica is not None:
             self._replica.check_reduction_finished()
             if not self._hooked:  # the reducer's own all-reduce ran: count its dense bytes
-                self.compressor.wire.record_uncompressed(self._gradient_bytes, self.topology.world_size)
+                self._wire.record_uncompressed(self._gradient_bytes, self.topology.world_size)
         optimizer.step()
         if self.tuner is not None and not self.tuner.done:
             self._tune_step()
 
     def take_wire_stats(self) -> WireStats | None:
         """Bytes this rank sent since the last call (None with one process: nothing is sent)."""
-        return self.compressor.wire.take() if self._replica is not None else None
+        return self._wire.take() if self._replica is not None else None
 
     def steps_done(self, step: int) -> int:
         return step  # every rank takes every step together
@@ -238,7 +239,7 @@ class AllReduceStrategy:
         if self._hooked:
             trainable = [p for p in model.parameters() if p.requires_grad]
             positions = {id(p): index / max(len(trainable) - 1, 1) for index, p in enumerate(trainable)}
-            state = HookState(self.op, compressor=self.compressor, parameter_positions=positions)
+            state = HookState(self.op, compressor=self.compressor, parameter_positions=positions, wire=self._wire)
             if self._observer is not None:
                 ddp.register_comm_hook(ObservedHookState(state, self._observer), observed_combine_bucket)
             else:

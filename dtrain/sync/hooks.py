@@ -6,11 +6,12 @@ communication while the rest of the backward pass runs); the hook only decides w
 A compressor (`dtrain.compress`) turns the bucket into rounds of communication: the hook runs each round's
 collective - an all-reduce when payloads can be summed (fp16, bf16, PowerSGD's factors, bounded loss), an
 all-gather when they cannot (top-k's values and indices, sign bits and scales, QSGD's levels and norms) -
-and hands what came back to the compressor, until it returns the combined gradient. Every round's bytes
-are counted on the compressor (`compressor.wire`).
+and hands what came back to the compressor, until it says it is done and gives the combined gradient. The
+hook counts the bytes of every collective where it issues it, in the `WireStats` the strategy gave it.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at registration as real objects.
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -18,20 +19,21 @@ import torch
 import torch.distributed as dist
 
 from dtrain.comm.adasum import adasum_all_reduce_
-from dtrain.compress import BucketInfo, Compressor, NoCompression, Round
+from dtrain.compress import BucketInfo, Compressor, NoCompression, Round, WireStats
 from dtrain.config import ReduceOp as Op
 
 
 @dataclass
 class HookState:
-    """What the hook needs on every call: the op, the group, the compressor (stateful ones keep their
-    residuals on themselves) and each parameter's place in the forward order (for priorities)."""
+    """What the hook needs on every call: the op, the group, the compressor (which carries its own state),
+    each parameter's place in the forward order (for priorities) and the meter its bytes go to."""
 
     op: Op
     group: dist.ProcessGroup | None = None
     compressor: Compressor = field(default_factory=NoCompression)
     parameter_positions: dict[int, float] = field(default_factory=dict)  # id(parameter) -> 0 (first) .. 1 (last)
-    buckets_reduced: int = 0
+    wire: WireStats = field(default_factory=WireStats)
+    unfinished: torch.futures.Future[torch.Tensor] | None = None  # a bucket with rounds still to issue
 
     def __post_init__(self) -> None:
         if self.op == "adasum" and not isinstance(self.compressor, NoCompression):
@@ -90,9 +92,12 @@ def values_or_raise(collected: torch.futures.Future[list[torch.futures.Future[An
     return [future.value() for future in collected.value()]
 
 
-def run_round(round_: Round, group: dist.ProcessGroup | None) -> torch.futures.Future[Any]:
-    """Start the collective of one round; the future's value is what the compressor's decompress takes: the
-    summed payloads (all-reduce, in place) or, per rank, the list of its payloads (all-gather)."""
+def run_round(round_: Round, group: dist.ProcessGroup | None, wire: WireStats) -> torch.futures.Future[Any]:
+    """Start the collective of one round and count its bytes in `wire`; the future's value is what the
+    compressor's decompress takes: the summed payloads (all-reduce, in place) or, per rank, the list of its
+    payloads (all-gather)."""
+    world = dist.get_world_size(group)
+    wire.record_round(round_, world)
     payloads = round_.payloads
     if round_.collective == "all_reduce":
         works = [dist.all_reduce(p, group=group, async_op=True) for p in payloads if p.numel()]
@@ -104,15 +109,24 @@ def run_round(round_: Round, group: dist.ProcessGroup | None) -> torch.futures.F
 
         return torch.futures.collect_all(futures).then(reduced)  # type: ignore[arg-type]
     packed = _pack(payloads)
-    gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
+    gathered = [torch.empty_like(packed) for _ in range(world)]
     work = dist.all_gather(gathered, packed, group=group, async_op=True)
     assert work is not None
     return work.get_future().then(lambda _: [_unpack(part, payloads) for part in gathered])
 
 
+def wait_for_unfinished_bucket(state: HookState) -> None:
+    """Every rank must issue its collectives in the same order. A bucket's further rounds are issued from a
+    callback, at a moment that differs between ranks, so the next bucket's collectives wait until they are
+    done. A failure there reaches backward() through that bucket's own future."""
+    unfinished, state.unfinished = state.unfinished, None
+    if unfinished is not None:
+        with suppress(Exception):
+            unfinished.wait()
+
+
 def combine_bucket(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The comm hook registered on DDP: reduce one bucket with `state.op` and return its future."""
-    state.buckets_reduced += 1
     buffer = bucket.buffer()
     if state.op == "adasum":
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -122,21 +136,25 @@ def combine_bucket(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
             done.set_exception(exc)  # type: ignore[arg-type]
         return done
     compressor, info = state.compressor, bucket_info(state, bucket)
-    compressor.wire.record_bucket(buffer.numel() * buffer.element_size(), info.world_size)
+    wait_for_unfinished_bucket(state)
+    state.wire.record_bucket(buffer.numel() * buffer.element_size(), info.world_size)
     first = compressor.compress(buffer, info)
-    compressor.wire.record_round(first, info.world_size)
 
     def finish(future: torch.futures.Future[Any]) -> torch.Tensor:
-        result = compressor.decompress(future.value(), first.ctx)
-        while isinstance(result, Round):  # a further round (PowerSGD's Q): run it here, in the callback
-            compressor.wire.record_round(result, info.world_size)
-            result = compressor.decompress(run_round(result, state.group).wait(), result.ctx)
-        compressor.end_bucket(info)
+        decoded = compressor.decompress(future.value(), first.ctx)
+        while (further := decoded.next_round) is not None:  # PowerSGD's Q: run it here, in the callback
+            decoded = compressor.decompress(run_round(further, state.group, state.wire).wait(), further.ctx)
+        compressor.state.end_bucket(info)
+        result = decoded.gradient
+        assert result is not None, "a compressor that asks for no further round gives the gradient"
         if result.data_ptr() != buffer.data_ptr():
             buffer.copy_(result.view_as(buffer))
         return buffer
 
-    return run_round(first, state.group).then(finish)
+    combined = run_round(first, state.group, state.wire).then(finish)
+    if not first.final:
+        state.unfinished = combined
+    return combined
 
 
 class BucketObserver(Protocol):

@@ -10,6 +10,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import yaml
 from torch import nn
 
 from dtrain.comm import Topology, all_gather_object
-from dtrain.compress import REGISTRY, BucketInfo, Compressor, build_compressor
+from dtrain.compress import REGISTRY, BucketInfo, Compressor, WireStats, build_compressor
 from dtrain.compress.local import reduce_locally
 from dtrain.compress.powersgd import PowerSGD
 from dtrain.sync.allreduce import AllReduceStrategy
@@ -49,8 +50,8 @@ def record(compressor: Compressor, inputs: list[tuple[torch.Tensor, BucketInfo]]
 
     def recording_decompress(received: Any, ctx: Any) -> Any:
         result = decompress(received, ctx)
-        if isinstance(result, torch.Tensor):
-            outputs.append(result.detach().clone())
+        if result.gradient is not None:
+            outputs.append(result.gradient.detach().clone())
         return result
 
     compressor.compress = recording_compress  # type: ignore[method-assign]
@@ -72,6 +73,7 @@ def _hook_against_reference(topology: Topology) -> dict[str, Any]:
         wrapped = strategy.wrap_model(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         references = [build_compressor(name, **OPTIONS.get(name, {})) for _ in range(topology.world_size)]
+        meters = [WireStats() for _ in references]
         worst, wire = 0.0, []
         for step in range(4):
             inputs.clear()
@@ -83,12 +85,13 @@ def _hook_against_reference(topology: Topology) -> dict[str, Any]:
             shared = all_gather_object((inputs[0][0], dataclasses.asdict(inputs[0][1])))
             infos = [BucketInfo(**{**info, "spans": tuple(info["spans"]), "positions": tuple(info["positions"])})
                      for _, info in shared]
-            expected = reduce_locally(references, [tensor for tensor, _ in shared], infos=infos)[topology.rank]
+            expected = reduce_locally(references, [tensor for tensor, _ in shared], infos=infos,
+                                      meters=meters)[topology.rank]
             worst = max(worst, float((outputs[0] - expected).abs().max()))
             grads = sorted(float(v) for p in model.parameters() for v in p.grad.reshape(-1))  # type: ignore[union-attr]
             assert grads == sorted(float(v) for v in outputs[0]), f"{name}: the optimizer saw other gradients"
             stats = strategy.take_wire_stats()
-            reference_stats = references[topology.rank].wire.take()
+            reference_stats = meters[topology.rank].take()
             assert stats is not None
             wire.append((stats.payload_bytes, reference_stats.payload_bytes, stats.wire_bytes))
             optimizer.zero_grad(set_to_none=True)
@@ -99,10 +102,69 @@ def _hook_against_reference(topology: Topology) -> dict[str, Any]:
     return report
 
 
+class DelayedBackward(nn.Module):
+    """Identity whose backward pass waits `seconds` first: it makes one rank reach its next bucket late."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.seconds and x.requires_grad:
+            x.register_hook(lambda grad: time.sleep(self.seconds))
+        return x
+
+
+def _powersgd_over_several_buckets(topology: Topology) -> float:
+    """PowerSGD over a bucket per layer, rank 0 slowed in its backward pass before and after the middle layer:
+    rank 1 reaches the first layer's bucket while the middle one's P all-reduce still waits for rank 0, and
+    rank 0 has the P all-reduce done (and the Q round started from its callback) long before it gets there.
+    Every rank must still issue the same collectives in the same order, and each bucket's result must be what
+    the one-process reference computes from all ranks' buckets. Returns the largest difference over 5 steps
+    (3 of them compressed)."""
+    delay = 0.2 if topology.rank == 0 else 0.0
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 32), DelayedBackward(delay), nn.ReLU(), nn.Linear(32, 24),
+                          DelayedBackward(delay), nn.ReLU(), nn.Linear(24, 3))
+    compressor = PowerSGD(rank=2, start_iter=2)
+    inputs: list[tuple[torch.Tensor, BucketInfo]] = []
+    buffers: list[torch.Tensor] = []
+    compress = compressor.compress
+
+    def recording_compress(tensor: torch.Tensor, info: BucketInfo) -> Any:
+        inputs.append((tensor.detach().clone(), info))
+        buffers.append(tensor)  # the bucket itself: it holds the combined gradient once backward is done
+        return compress(tensor, info)
+
+    compressor.compress = recording_compress  # type: ignore[method-assign]
+    strategy = AllReduceStrategy(topology, bucket_cap_mb=1e-4, first_bucket_mb=1e-4, compressor=compressor)
+    wrapped = strategy.wrap_model(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    references = [PowerSGD(rank=2, start_iter=2) for _ in range(topology.world_size)]
+    worst = 0.0
+    for step in range(5):
+        inputs.clear()
+        buffers.clear()
+        x, y = batch(topology.rank, step)
+        nn.functional.cross_entropy(wrapped(x), y).backward()
+        assert len(inputs) >= 3, "a bucket per layer"
+        shared = all_gather_object([(tensor, dataclasses.asdict(info)) for tensor, info in inputs])
+        for index, buffer in enumerate(buffers):
+            infos = [BucketInfo(**{**info, "spans": tuple(info["spans"]), "positions": tuple(info["positions"])})
+                     for _, info in (rank[index] for rank in shared)]
+            expected = reduce_locally(references, [rank[index][0] for rank in shared], infos=infos)[topology.rank]
+            worst = max(worst, float((buffer - expected).abs().max()))
+        strategy.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    strategy.close()
+    return worst
+
+
 def _all_checks(topology: Topology) -> dict[str, Any]:
     """Every multi-process check of this module in one pair of processes (starting processes is the slow part)."""
     return {"hook": _hook_against_reference(topology),
             "powersgd": {rank: _powersgd_against_torch(topology, rank) for rank in (1, 4)},  # Gram-Schmidt, QR
+            "powersgd_buckets": _powersgd_over_several_buckets(topology),
             "bounded_loss_zero": _bounded_loss_zero_against_ddp(topology)}
 
 
@@ -156,6 +218,11 @@ def _powersgd_against_torch(topology: Topology, rank: int) -> float:
 def test_powersgd_agrees_with_torch_powersgd_hook(checks: list[dict[str, Any]]) -> None:
     for per_rank in (rank["powersgd"] for rank in checks):
         assert set(per_rank) == {1, 4} and max(per_rank.values()) <= 1e-6, per_rank
+
+
+def test_powersgd_over_several_buckets_issues_its_rounds_in_one_order_on_every_rank(
+        checks: list[dict[str, Any]]) -> None:
+    assert all(rank["powersgd_buckets"] <= 1e-6 for rank in checks), [rank["powersgd_buckets"] for rank in checks]
 
 
 # ------------------------------------------------------------------------------- bounded loss, eps 0

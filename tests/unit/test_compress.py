@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from dtrain.compress import REGISTRY, BucketInfo, build_compressor
+from dtrain.compress import REGISTRY, BucketInfo, WireStats, build_compressor
 from dtrain.compress.local import reduce_locally
 from dtrain.compress.powersgd import PowerSGD
 from dtrain.compress.qsgd import QSGD
@@ -150,10 +150,28 @@ def test_error_feedback_conserves_the_sum_of_gradients(name: str, options: dict[
         g = gradients(100 + step, 1, torch.float64)[0]
         sent_total += reduce_locally([compressor], [g.clone()], shapes=SHAPES)[0]
         gradient_total += g
-    residual = (compressor.errors[0] if isinstance(compressor, PowerSGD)
-                else compressor.feedback.residual(0))  # type: ignore[attr-defined]
-    assert residual is not None and residual.abs().max() > 1e-3  # something was held back
+    residual = compressor.state.residuals[0]
+    assert residual.abs().max() > 1e-3  # something was held back
     assert torch.allclose(sent_total + residual, gradient_total, rtol=0, atol=1e-12)
+
+
+def test_resumed_compressor_continues_its_warm_up_and_ignores_another_compressors_state() -> None:
+    """The checkpointed state is {"name", "steps"} (the layout main has always written): a top-k restored from
+    it sends what the uninterrupted one sends at that step; a state written by another compressor is ignored."""
+    running = TopK(ratio=0.01, warmup_steps=6, error_feedback=False)
+    for step in range(4):
+        reduce_locally([running], gradients(400 + step, 1), shapes=SHAPES)
+    assert running.state_dict() == {"name": "topk", "steps": 4}
+    resumed = TopK(ratio=0.01, warmup_steps=6, error_feedback=False)
+    resumed.load_state_dict({"name": "topk", "steps": 4})
+    g = gradients(404, 1)[0]
+    meters = [WireStats(), WireStats()]
+    expected = reduce_locally([running], [g.clone()], shapes=SHAPES, meters=meters[:1])[0]
+    assert torch.equal(reduce_locally([resumed], [g.clone()], shapes=SHAPES, meters=meters[1:])[0], expected)
+    assert meters[0].payload_bytes == meters[1].payload_bytes == 8 * running.k_for(N, 4)
+    other = TopK(ratio=0.01, warmup_steps=6)
+    other.load_state_dict(PowerSGD().state_dict() | {"steps": 9})
+    assert other.state.steps == 0
 
 
 # ---------------------------------------------------------------------------------------- bytes
@@ -185,9 +203,10 @@ def expected_payload_bytes(name: str, k_ratio: float = 0.01) -> int:
 def test_bytes_on_the_wire_equal_the_formula(name: str, world: int) -> None:
     options: dict[str, object] = {"start_iter": 2} if name == "powersgd" else {}
     compressors = [build_compressor(name, **options) for _ in range(world)]
+    meters = [WireStats() for _ in range(world)]
     for step in range(3):
-        reduce_locally(compressors, gradients(step, world), shapes=SHAPES)
-        stats = compressors[0].wire.take()
+        reduce_locally(compressors, gradients(step, world), shapes=SHAPES, meters=meters)
+        stats = meters[0].take()
         payload = expected_payload_bytes(name) if not (name == "powersgd" and step < 2) else 4 * N
         gathered = name in ("qsgd", "topk", "sign")
         assert stats.payload_bytes == payload
