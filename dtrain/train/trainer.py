@@ -11,8 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -80,8 +79,7 @@ def _replicas_never_differ(*, snapshot: bool = False) -> None:
     """The consolidation of a strategy without the Consolidating extension: nothing to do."""
 
 
-@dataclass(frozen=True)
-class Update:
+class Update(NamedTuple):
     """What an optimizer update did, the same on every rank."""
 
     reached: int  # the batch number this rank has reached (ahead of the step only for asynchronous strategies)
@@ -257,7 +255,7 @@ class Trainer:
             self._advance(previous, reached, started)
             if reached == previous:
                 return False  # the parameter servers have not completed another global batch yet
-            self.progress.update(reached, self.schedule.epoch_of(reached), float(outputs["loss"].detach()))
+            self.progress.update(reached, self.schedule.epoch_of, outputs["loss"])
             return self._meet(reached, update)
 
     # ------------------------------------------------------------------------- stage 1: batch and compute
