@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 log = logging.getLogger("dtrain")
@@ -48,10 +49,10 @@ class Progress:
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
             rate = self.samples_per_second(step)
-            self._bar.set_postfix_str(f"epoch {epoch_of(step):.2f} loss {float(loss):.4f} {rate:,.0f} samples/s",
+            self._bar.set_postfix_str(f"epoch {epoch_of(step):.2f} loss {_number(loss):.4f} {rate:,.0f} samples/s",
                                       refresh=False)
         elif step % self.report_every == 0 or step == self.total:
-            self.note(f"batch {step}/{self.total} epoch {epoch_of(step):.2f} loss {float(loss):.4f} "
+            self.note(f"batch {step}/{self.total} epoch {epoch_of(step):.2f} loss {_number(loss):.4f} "
                       f"{self.samples_per_second(step):,.0f} samples/s")
 
     def pause_clock(self, seconds: float) -> None:
@@ -71,6 +72,10 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def _number(value: Any) -> float:
+    return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
 
 
 class ConsoleHandler(logging.Handler):
