@@ -108,12 +108,11 @@ def run_worker(args: argparse.Namespace) -> int:
     return ExitCode.INTERRUPTED if trainer.status == "interrupted" else ExitCode.OK
 
 
-_PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
-
-
 def _lost_a_peer(exc: BaseException) -> bool:
     """True for the errors gloo and the store raise when another worker process has died."""
-    return any(marker in str(exc) for marker in _PEER_LOSS)
+    from dtrain.comm.failures import Failure, classify_failure  # torch is imported only once a worker runs
+
+    return classify_failure(exc) is Failure.LOST_PEER
 
 
 def _first_line(exc: BaseException) -> str:

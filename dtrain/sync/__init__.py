@@ -1,28 +1,46 @@
-"""Strategies that keep replicas consistent, behind one protocol, picked by `distributed.strategy`."""
+"""Strategies that keep replicas consistent, behind one protocol, picked by `distributed.strategy` from a registry:
+a new strategy is one module and one line in `REGISTRY` (docs/strategies.md)."""
 
 from __future__ import annotations
 
-from dtrain.comm import Topology
-from dtrain.compress import build_compressor
-from dtrain.config import ExperimentConfig
-from dtrain.sync.allreduce import AllReduceStrategy
-from dtrain.sync.base import SyncStrategy
-from dtrain.sync.parameter_server import ParameterServerStrategy
+from collections.abc import Callable
 
-__all__ = ["AllReduceStrategy", "ParameterServerStrategy", "SyncStrategy", "build_strategy"]
+from dtrain.comm import Topology
+from dtrain.config import ExperimentConfig
+from dtrain.sync.allreduce import AllReduceStrategy, build_allreduce
+from dtrain.sync.base import (
+    AsynchronousPacing,
+    BucketObserving,
+    ComputePhases,
+    Consolidating,
+    OptimizerWrapping,
+    OwnsCheckpointState,
+    ReportingMetrics,
+    RunsForwardBackward,
+    SyncStrategy,
+    TrainBatch,
+    WireMetering,
+)
+from dtrain.sync.parameter_server import ParameterServerStrategy, build_parameter_server
+
+StrategyBuilder = Callable[[ExperimentConfig, Topology], SyncStrategy]
+
+# distributed.strategy -> the function that builds it from the config
+REGISTRY: dict[str, StrategyBuilder] = {
+    "allreduce": build_allreduce,
+    "parameter_server": build_parameter_server,
+}
 
 
 def build_strategy(config: ExperimentConfig, topology: Topology) -> SyncStrategy:
-    """The strategy the config names, configured from its `distributed` and `optimizations` sections."""
+    """The strategy the config names, built by its registered builder."""
     name = config.distributed.strategy
-    if name == "allreduce":
-        return AllReduceStrategy(topology, op=config.distributed.op,
-                                 bucket_cap_mb=config.optimizations.tensor_fusion_threshold,
-                                 first_bucket_mb=config.optimizations.first_bucket_mb,
-                                 auto_tune_fusion=config.optimizations.auto_tune_tensor_fusion,
-                                 find_unused_parameters=config.distributed.find_unused_parameters,
-                                 compressor=build_compressor(config.compression.name, **config.compression.options()))
-    if name == "parameter_server":
-        return ParameterServerStrategy(topology, config.distributed.parameter_server,
-                                       timeout_seconds=config.distributed.timeout_seconds)
-    raise ValueError(f"strategy {name!r} is not built")  # check_buildable() refuses it before we get here
+    builder = REGISTRY.get(name)
+    if builder is None:  # check_buildable() refuses it before we get here
+        raise ValueError(f"strategy {name!r} is not built; registered: {', '.join(sorted(REGISTRY))}")
+    return builder(config, topology)
+
+
+__all__ = ["REGISTRY", "AllReduceStrategy", "AsynchronousPacing", "BucketObserving", "ComputePhases", "Consolidating",
+           "OptimizerWrapping", "OwnsCheckpointState", "ParameterServerStrategy", "ReportingMetrics",
+           "RunsForwardBackward", "StrategyBuilder", "SyncStrategy", "TrainBatch", "WireMetering", "build_strategy"]

@@ -23,7 +23,9 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.comm import Topology
-from dtrain.compress import Compressor, NoCompression, WireStats
+from dtrain.comm.failures import is_unfinished_reduction
+from dtrain.compress import Compressor, NoCompression, WireStats, build_compressor
+from dtrain.config import ExperimentConfig
 from dtrain.errors import SyncError
 from dtrain.sync.fusion import BYTES_PER_MB, FusionTuner, candidate_bucket_sizes
 from dtrain.sync.hooks import (
@@ -43,7 +45,7 @@ _UNUSED = re.compile(r"Parameter indices which did not receive grad for rank (\d
 def unfinished_reduction_error(exc: RuntimeError, names: list[str]) -> SyncError | None:
     """DDP's error for parameters that got no gradient (their bucket's all-reduce never started on this
     rank, so the other ranks would wait for it) as one line that names them and says what to set."""
-    if "Expected to have finished reduction" not in str(exc):
+    if not is_unfinished_reduction(exc):
         return None
     found = _UNUSED.search(str(exc))
     unused = [names[int(i)] for i in found.group(2).split() if int(i) < len(names)] if found else []
@@ -77,10 +79,10 @@ class Replica(nn.Module):
 
 class AllReduceStrategy:
     """DDP with buckets of `bucket_cap_mb` (or tuned ones) and the comm hook for `op`; with one process the
-    model runs unwrapped (nothing to synchronize)."""
+    model runs unwrapped (nothing to synchronize). Core protocol plus the BucketObserving and WireMetering
+    extensions (dtrain.sync.base)."""
 
     name = "allreduce"
-    lockstep = True  # every rank takes every step together
 
     def __init__(self, topology: Topology, *, op: Op = "average", bucket_cap_mb: float = 25.0,
                  first_bucket_mb: float = 1.0,
@@ -107,7 +109,7 @@ class AllReduceStrategy:
         self._observe_per_bucket = False
         self._gradient_hooks: list[torch.utils.hooks.RemovableHandle] = []
 
-    # ------------------------------------------------------------------------------------ protocol
+    # ------------------------------------------------------------------------------- core protocol
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         self._model = model
@@ -136,13 +138,6 @@ class AllReduceStrategy:
             return self._replica.ddp.no_sync()
         return nullcontext()
 
-    def join(self) -> AbstractContextManager[Any]:
-        """For loops where ranks run different numbers of steps: a rank that ran out of data keeps
-        answering the others' all-reduces with zero gradients until every rank is done."""
-        if self._replica is not None:
-            return Join([self._replica.ddp])
-        return nullcontext()
-
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._replica is not None:
             self._replica.check_reduction_finished()
@@ -151,19 +146,6 @@ class AllReduceStrategy:
         optimizer.step()
         if self.tuner is not None and not self.tuner.done:
             self._tune_step()
-
-    def take_wire_stats(self) -> WireStats | None:
-        """Bytes this rank sent since the last call (None with one process: nothing is sent)."""
-        return self._wire.take() if self._replica is not None else None
-
-    def steps_done(self, step: int) -> int:
-        return step  # every rank takes every step together
-
-    def consolidate(self, *, snapshot: bool = False) -> None:
-        """Replicas are identical after every step: nothing to do."""
-
-    def metrics(self) -> dict[str, float]:
-        return {}
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"bucket_cap_mb": self.bucket_cap_mb, "compressor": self.compressor.state_dict()}
@@ -194,6 +176,12 @@ class AllReduceStrategy:
     def close(self) -> None:
         self._replica = None
 
+    # ---------------------------------------------------------------------------------- extensions
+
+    def take_wire_stats(self) -> WireStats | None:
+        """Bytes this rank sent since the last call (None with one process: nothing is sent)."""
+        return self._wire.take() if self._replica is not None else None
+
     def observe_buckets(self, observer: BucketObserver | None, *, per_bucket: bool = False) -> None:
         """Tell `observer` (the profiler's bucket clock) when gradients are ready for communication. Where
         dtrain's comm hook runs anyway, and with `per_bucket` (a timeline's bucket spans), it reports each
@@ -219,6 +207,13 @@ class AllReduceStrategy:
 
         self._gradient_hooks = [parameter.register_post_accumulate_grad_hook(ready)
                                 for parameter in self._model.parameters() if parameter.requires_grad]
+
+    def join(self) -> AbstractContextManager[Any]:
+        """For loops where ranks run different numbers of steps (not used by the Trainer): a rank that ran out of
+        data keeps answering the others' all-reduces with zero gradients until every rank is done."""
+        if self._replica is not None:
+            return Join([self._replica.ddp])
+        return nullcontext()
 
     # ------------------------------------------------------------------------------------- internals
 
@@ -272,3 +267,13 @@ class AllReduceStrategy:
         gc.collect()  # the old reducer removes its autograd hooks when it is freed
         self.bucket_cap_mb = bucket_cap_mb
         self._replica.ddp = self._build_ddp(self._model, init_sync=False)
+
+
+def build_allreduce(config: ExperimentConfig, topology: Topology) -> AllReduceStrategy:
+    """The strategy from the config's `distributed`, `optimizations` and `compression` sections."""
+    return AllReduceStrategy(topology, op=config.distributed.op,
+                             bucket_cap_mb=config.optimizations.tensor_fusion_threshold,
+                             first_bucket_mb=config.optimizations.first_bucket_mb,
+                             auto_tune_fusion=config.optimizations.auto_tune_tensor_fusion,
+                             find_unused_parameters=config.distributed.find_unused_parameters,
+                             compressor=build_compressor(config.compression.name, **config.compression.options()))

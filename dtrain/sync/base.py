@@ -1,7 +1,6 @@
-"""The protocol every synchronization strategy implements, so the Trainer never knows which one runs.
-
-A strategy decides how replicas stay consistent: it wraps the model for the forward pass, says how
-backward passes that must not communicate are run (gradient aggregation), and applies an update.
+"""What a synchronization strategy is to the Trainer: one small core protocol that every strategy implements,
+and optional extensions, each its own protocol, that the Trainer checks with `isinstance` once at set-up and
+replaces by one default behaviour when a strategy lacks them (docs/strategies.md says when each is called).
 
 Contract with the Trainer: before backward, each rank scales its loss by world_size * weight / k, where
 weight is the rank's share of the global batch and k the aggregation frequency (1/k only with
@@ -12,6 +11,7 @@ combine the same relatively weighted gradients. Strategies never rescale gradien
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
@@ -19,62 +19,41 @@ import torch
 from torch import nn
 
 from dtrain.compress import WireStats
+from dtrain.sync.hooks import BucketObserver
+
+TrainBatch = Callable[[Any, nn.Module], Mapping[str, Any]]  # the Trial's train_batch(batch, model) -> outputs
 
 
 @runtime_checkable
 class SyncStrategy(Protocol):
-    """How gradients or parameters are made consistent across ranks."""
+    """The core: how gradients or parameters are made consistent across ranks."""
 
     name: str
-    lockstep: bool  # every rank takes every step together (per-step collectives outside the strategy are safe)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        """Return the module the Trainer runs forward and backward on (it may be the model itself)."""
+        """Return the module the Trainer runs forward and backward on (it may be the model itself). Called once,
+        before the optimizer is built, so a strategy may replace the parameters (sharding) in place."""
         ...
 
     def unwrap_model(self) -> nn.Module:
-        """The user's model, whose state_dict is what checkpoints hold."""
+        """The user's model: what validation runs and checkpoints hold."""
         ...
 
     def no_sync(self) -> AbstractContextManager[Any]:
-        """A context for backward passes whose gradients are only accumulated locally."""
-        ...
-
-    def join(self) -> AbstractContextManager[Any]:
-        """A context for loops in which ranks may run different numbers of steps (uneven inputs): ranks
-        that finished early keep answering the others' communication so that nobody waits forever."""
+        """A context for forward and backward passes whose gradients are only accumulated locally (all but the
+        last batch of an aggregated update)."""
         ...
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Apply one update after the communicating backward pass (gradients are synchronized by then)."""
         ...
 
-    def steps_done(self, step: int) -> int:
-        """Global batches trained once this rank's batch number `step` is done: `step` itself for strategies whose
-        ranks move in lockstep; strategies whose ranks may run ahead of others (asynchronous parameter servers)
-        report their own count, which the Trainer follows between its meeting points."""
-        ...
-
-    def consolidate(self, *, snapshot: bool = False) -> None:
-        """Called by every rank together before validation and checkpoints: bring this rank's model to the
-        parameters every rank shares (a no-op where replicas never differ); with `snapshot`, capture the state
-        that `state_dict()` returns for the checkpoint."""
-        ...
-
-    def metrics(self) -> dict[str, float]:
-        """Scalars for the run store and TensorBoard at each training report (rank 0); may be empty."""
-        ...
-
     def state_dict(self) -> dict[str, Any]:
-        """Strategy state a resumed run needs (e.g. error-feedback residuals); may be empty."""
+        """Strategy state a resumed run needs (e.g. error-feedback residuals, a tuned bucket size); may be empty."""
         ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        ...
-
-    def take_wire_stats(self) -> WireStats | None:
-        """Bytes this rank sent for gradients since the last call, beside what dense fp32 all-reduces would
-        have sent (the Trainer logs them per update); None when nothing is sent or counted."""
+        """Called before `wrap_model` when a run resumes: the state may decide how the model is wrapped."""
         ...
 
     def describe(self) -> dict[str, Any]:
@@ -83,4 +62,113 @@ class SyncStrategy(Protocol):
 
     def close(self) -> None:
         """Release communication resources."""
+        ...
+
+
+# ------------------------------------------------------------------------------------------------ extensions
+
+
+@runtime_checkable
+class AsynchronousPacing(Protocol):
+    """Ranks that may run ahead of each other between meeting points (asynchronous parameter servers).
+    Without it a strategy moves in lockstep: every rank takes every step together."""
+
+    lockstep: bool  # True when ranks move together after all (per-step collectives outside the strategy are safe)
+
+    def steps_done(self, step: int) -> int:
+        """Global batches trained once this rank's batch number `step` is done: the strategy's own count, which
+        the Trainer follows up to its next meeting point (report, validation, checkpoint, stop, end)."""
+        ...
+
+
+@runtime_checkable
+class Consolidating(Protocol):
+    """Replicas that may differ between meeting points. Without it they are identical after every step."""
+
+    def consolidate(self, *, snapshot: bool = False) -> None:
+        """Called by every rank together before validation and checkpoints: bring this rank's model to the
+        parameters every rank shares; with `snapshot`, capture the state that `state_dict()` returns next."""
+        ...
+
+
+@runtime_checkable
+class BucketObserving(Protocol):
+    """Tells the profiler when gradients are ready and when their communication is done (comm-wait phase,
+    timeline bucket spans). Without it the profiler times phases only."""
+
+    def observe_buckets(self, observer: BucketObserver | None, *, per_bucket: bool = False) -> None:
+        """Report to `observer` from now on (called before `wrap_model`); None stops reporting."""
+        ...
+
+
+@runtime_checkable
+class WireMetering(Protocol):
+    """Counts the bytes its gradient communication sends. Without it a run reports no wire bytes."""
+
+    def take_wire_stats(self) -> WireStats | None:
+        """Bytes this rank sent for gradients since the last call, beside what dense fp32 all-reduces would
+        have sent (the Trainer logs them per update); None when nothing is sent or counted."""
+        ...
+
+
+@runtime_checkable
+class ReportingMetrics(Protocol):
+    """Adds its own scalars to each training report. Without it a report holds the Trainer's metrics only."""
+
+    def metrics(self) -> dict[str, float]:
+        """Scalars for the run store and TensorBoard at each training report (rank 0); may be empty."""
+        ...
+
+
+@runtime_checkable
+class OptimizerWrapping(Protocol):
+    """Replaces the optimizer built over the wrapped model's parameters (a sharded optimizer such as ZeRO-1's).
+    Without it the Trainer steps the optimizer it built."""
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Return the optimizer the Trainer schedules, checkpoints and hands to `step()`."""
+        ...
+
+
+class ComputePhases(Protocol):
+    """The Trainer's timed phases of one step's compute, entered by whoever runs forward and backward."""
+
+    def forward(self) -> AbstractContextManager[Any]: ...
+
+    def backward(self) -> AbstractContextManager[Any]: ...
+
+
+@runtime_checkable
+class RunsForwardBackward(Protocol):
+    """Owns how one batch's forward and backward passes run (a pipeline schedule over microbatches). Without it
+    the Trainer runs the Trial's train_batch on the wrapped model, then backward on the scaled loss."""
+
+    def forward_backward(self, model: nn.Module, batch: Any, train_batch: TrainBatch, *, loss_scale: float,
+                         communicate: bool, phases: ComputePhases) -> Mapping[str, Any]:
+        """Run forward and backward for `batch` and return the Trial's outputs (with a scalar `loss`, the mean
+        over this rank's batch). The backward pass must scale the loss by `loss_scale` and, unless
+        `communicate`, leave gradients local (as under `no_sync()`)."""
+        ...
+
+
+@runtime_checkable
+class OwnsCheckpointState(Protocol):
+    """Model or optimizer state that is not one plain state_dict per rank (sharded parameters): the strategy
+    captures it for checkpoints and loads it back. Without it checkpoints hold the unwrapped model's and the
+    optimizer's own state_dict."""
+
+    def model_state_dict(self) -> dict[str, Any]:
+        """The model's state for `model.pt` (called by every rank together; rank 0 writes it)."""
+        ...
+
+    def load_model_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a checkpoint's model state (after wrapping; every rank gets rank 0's reading)."""
+        ...
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state for `state.pt` (called by every rank together; rank 0 writes it)."""
+        ...
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Load a checkpoint's optimizer state (after the optimizer is built and wrapped)."""
         ...

@@ -9,7 +9,9 @@ holds a byte-balanced shard of the parameters (`ps_shards`) and the optimizer fo
 
 Workers in `async`/`ssp` mode (and `sync` with backup workers) do not move in lockstep: `steps_done()` reports
 the servers' count of global batches trained, which the Trainer follows between its meeting points (reports,
-validation, checkpoints), where `consolidate()` brings every worker to the same parameters.
+validation, checkpoints), where `consolidate()` brings every worker to the same parameters. Besides the core
+protocol the strategy implements the AsynchronousPacing, Consolidating and ReportingMetrics extensions
+(dtrain.sync.base); its pushes and pulls are reported by `metrics()`, not as all-reduce wire bytes.
 """
 
 from __future__ import annotations
@@ -27,8 +29,7 @@ from torch.futures import Future
 
 from dtrain.comm import Topology, barrier
 from dtrain.comm.rpc import init_rpc_group, server_name, shutdown_rpc_group
-from dtrain.compress import WireStats
-from dtrain.config import ParameterServer
+from dtrain.config import ExperimentConfig, ParameterServer
 from dtrain.errors import SyncError
 from dtrain.sync.ps_server import Reply, ShardServer, ShardSpec
 from dtrain.sync.ps_shards import Piece, TensorSize, shard_by_bytes, shard_bytes
@@ -119,7 +120,7 @@ class ParameterServerStrategy:
         self.held_seconds = 0.0  # the part of it the servers held its pushes for other workers
         self.steps = 0
 
-    # ------------------------------------------------------------------------------------ protocol
+    # ------------------------------------------------------------------------------- core protocol
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         self._model = model
@@ -133,9 +134,6 @@ class ParameterServerStrategy:
 
     def no_sync(self) -> AbstractContextManager[Any]:
         return nullcontext()  # gradients stay local until step() pushes them
-
-    def join(self) -> AbstractContextManager[Any]:
-        return nullcontext()  # no collectives among workers during steps
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Push this worker's gradient shards with the optimizer's current options; take the new parameters."""
@@ -153,29 +151,6 @@ class ParameterServerStrategy:
         self._take(replies)
         self.steps += 1
         optimizer._opt_called = True  # type: ignore[attr-defined]  # the servers stepped it: no scheduler warning
-
-    def take_wire_stats(self) -> WireStats | None:
-        """Pushes and pulls are reported per server in `metrics()`, not as all-reduce wire bytes."""
-        return None
-
-    def steps_done(self, step: int) -> int:
-        return step if self.lockstep else self._global_step
-
-    def consolidate(self, *, snapshot: bool = False) -> None:
-        """Bring every worker to the servers' current parameters (called by all workers together); with
-        `snapshot`, rank 0 also keeps the servers' state for the checkpoint that follows."""
-        if not self._ready:
-            return
-        ssp = self.settings.mode == "ssp"
-        if ssp:
-            self._on_servers(_rpc_pause, self.topology.rank)
-        barrier()  # no push is in flight once every worker is here
-        self._take({index: rpc.rpc_sync(server_name(index), _rpc_pull) for index, _ in self._active()})
-        if snapshot and self.topology.is_chief:
-            self._snapshot = {"servers": self._on_servers(_rpc_state), "global_step": self._global_step}
-        barrier()  # nobody pushes before the state is read
-        if ssp:
-            self._on_servers(_rpc_resume, self.topology.rank)
 
     def state_dict(self) -> dict[str, Any]:
         """The servers' parameters, optimizer state and counters, as of the last `consolidate(snapshot=True)`."""
@@ -204,6 +179,31 @@ class ParameterServerStrategy:
                 info.update(self._report_servers())
         return info
 
+    def close(self) -> None:
+        shutdown_rpc_group()
+
+    # ---------------------------------------------------------------------------------- extensions
+
+    def steps_done(self, step: int) -> int:
+        """The servers' count of global batches trained (this rank's `step` when workers move in lockstep)."""
+        return step if self.lockstep else self._global_step
+
+    def consolidate(self, *, snapshot: bool = False) -> None:
+        """Bring every worker to the servers' current parameters (called by all workers together); with
+        `snapshot`, rank 0 also keeps the servers' state for the checkpoint that follows."""
+        if not self._ready:
+            return
+        ssp = self.settings.mode == "ssp"
+        if ssp:
+            self._on_servers(_rpc_pause, self.topology.rank)
+        barrier()  # no push is in flight once every worker is here
+        self._take({index: rpc.rpc_sync(server_name(index), _rpc_pull) for index, _ in self._active()})
+        if snapshot and self.topology.is_chief:
+            self._snapshot = {"servers": self._on_servers(_rpc_state), "global_step": self._global_step}
+        barrier()  # nobody pushes before the state is read
+        if ssp:
+            self._on_servers(_rpc_resume, self.topology.rank)
+
     def metrics(self) -> dict[str, float]:
         """Scalars for the run store and TensorBoard at each report (rank 0 asks the servers)."""
         if not (self._ready and self.topology.is_chief):
@@ -217,9 +217,6 @@ class ParameterServerStrategy:
             values[f"ps{index}_bytes_pushed_per_step"] = server["bytes_pushed_per_step"]
             values[f"ps{index}_bytes_pulled_per_step"] = server["bytes_pulled_per_step"]
         return values
-
-    def close(self) -> None:
-        shutdown_rpc_group()
 
     # ------------------------------------------------------------------------------------------ internals
 
@@ -312,3 +309,9 @@ class ParameterServerStrategy:
                 "held_seconds_per_worker": [max(column) for column in
                                             zip(*(s["held_seconds_per_worker"] for s in per_server), strict=True)],
                 "per_server": per_server}
+
+
+def build_parameter_server(config: ExperimentConfig, topology: Topology) -> ParameterServerStrategy:
+    """The workers' side from the config's `distributed.parameter_server` section."""
+    return ParameterServerStrategy(topology, config.distributed.parameter_server,
+                                   timeout_seconds=config.distributed.timeout_seconds)

@@ -1,12 +1,13 @@
 """Fault injection for tests and benchmarks, driven by the config's `debug:` section.
 
-Each injection point is a method the Trainer calls at a fixed place in a step, so that a fault happens
-at the same step and on the same rank in every run (reproducible straggler, crash and NaN scenarios):
+The injector is a step callback (`dtrain.train.callbacks`): each injection point is a hook that runs at a
+fixed place in a step, so that a fault happens at the same step and on the same rank in every run
+(reproducible straggler, crash and NaN scenarios):
 - `before_compute` / `after_compute`: the straggler (`slow_rank`, `slow_factor`);
 - `before_step`: SIGKILL at the start of a batch (`kills` with `during: step`), or a hang there (`hang_rank`,
   `hang_at_step`) until the run gives up on the rank;
 - `during_checkpoint`: SIGKILL between the files of a checkpoint write (`kills` with `during: checkpoint`);
-- `corrupt_gradients`: a NaN in a gradient after the backward pass (`nan_rank`, `nan_batches`).
+- `before_update` (`corrupt_gradients`): a NaN in a gradient after the backward pass (`nan_rank`, `nan_batches`).
 
 A kill fires once per run dir: before dying, the rank appends it to `logs/faults.jsonl`, and the restarted
 rank skips the kills recorded there, so a run with kills ends like a clean one.
@@ -29,6 +30,7 @@ from torch import nn
 
 from dtrain.config import Debug, Kill
 from dtrain.errors import StallError
+from dtrain.train.callbacks import StepCallback
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ def read_fault_records(path: Path) -> list[dict[str, Any]]:
 
 
 @dataclass
-class FaultInjector:
+class FaultInjector(StepCallback):
     """Applies the faults `debug` asks for on this rank; `record_path` is where fired kills are remembered."""
 
     debug: Debug
@@ -65,6 +67,11 @@ class FaultInjector:
                  if record.get("event") == "kill"} if self.record_path else set()
         self._pending = [(i, kill) for i, kill in enumerate(self.debug.kills)
                          if kill.rank == self.rank and i not in fired]
+
+    @property
+    def armed(self) -> bool:
+        """True when `debug` asks for a fault on this rank (otherwise the Trainer need not call it at all)."""
+        return bool(self.slowed or self._pending or self.rank in (self.debug.hang_rank, self.debug.nan_rank))
 
     # ------------------------------------------------------------------------------------- straggler
 
@@ -130,6 +137,9 @@ class FaultInjector:
         os.kill(os.getpid(), signal.SIGKILL)
 
     # -------------------------------------------------------------------------------------------- NaN
+
+    def before_update(self, step: int, model: nn.Module) -> None:
+        self.corrupt_gradients(step, model)
 
     def corrupt_gradients(self, step: int, model: nn.Module) -> bool:
         """Put a NaN into the first gradient of this rank after batch `step`'s backward pass (after the

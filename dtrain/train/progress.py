@@ -5,7 +5,10 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
+import torch
 from tqdm import tqdm
 
 log = logging.getLogger("dtrain")
@@ -38,16 +41,18 @@ class Progress:
         self._start_step = step
         self.global_batch_size = global_batch_size
 
-    def update(self, step: int, epoch: float, loss: float) -> None:
-        """Record that `step` batches are done; `loss` is this rank's latest training loss."""
+    def update(self, step: int, epoch_of: Callable[[int], float], loss: Any) -> None:
+        """Record that `step` batches are done; `loss` is this rank's latest training loss (a scalar tensor or a
+        number). Epoch and loss are only worked out when shown (reading a loss may wait for the device)."""
         if not self.enabled:
             return
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
             rate = self.samples_per_second(step)
-            self._bar.set_postfix_str(f"epoch {epoch:.2f} loss {loss:.4f} {rate:,.0f} samples/s", refresh=False)
+            self._bar.set_postfix_str(f"epoch {epoch_of(step):.2f} loss {_number(loss):.4f} {rate:,.0f} samples/s",
+                                      refresh=False)
         elif step % self.report_every == 0 or step == self.total:
-            self.note(f"batch {step}/{self.total} epoch {epoch:.2f} loss {loss:.4f} "
+            self.note(f"batch {step}/{self.total} epoch {epoch_of(step):.2f} loss {_number(loss):.4f} "
                       f"{self.samples_per_second(step):,.0f} samples/s")
 
     def pause_clock(self, seconds: float) -> None:
@@ -67,6 +72,10 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def _number(value: Any) -> float:
+    return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
 
 
 class ConsoleHandler(logging.Handler):

@@ -11,6 +11,7 @@ from torch import nn
 from dtrain.comm import Topology
 from dtrain.config import ParameterServer
 from dtrain.sync.allreduce import AllReduceStrategy
+from dtrain.sync.base import Consolidating
 from dtrain.sync.parameter_server import ParameterServerStrategy, serve
 
 STEPS = 5
@@ -64,7 +65,8 @@ def _train(topology: Topology, strategy_name: str, settings: dict[str, Any], fir
         nn.functional.cross_entropy(wrapped(inputs), labels).backward()
         strategy.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
-    strategy.consolidate(snapshot=True)
+    if isinstance(strategy, Consolidating):  # as the Trainer does before a checkpoint
+        strategy.consolidate(snapshot=True)
     saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "strategy": strategy.state_dict()}
     strategy.close()
     return [p.detach().clone() for p in model.parameters()], saved

@@ -1,0 +1,181 @@
+"""Checkpoints in a run: when one is due and which are kept (the policy), what one holds and who writes it
+(every rank captures its part, rank 0 writes the files through `dtrain.train.checkpoint`), and resuming.
+
+What a strategy's model and optimizer state look like in a checkpoint is its own business when it implements
+the OwnsCheckpointState extension (sharded parameters); `PlainCheckpointState` is the default.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dtrain.comm import Topology, all_gather_object, broadcast_object
+from dtrain.config import ExperimentConfig
+from dtrain.errors import CheckpointError
+from dtrain.sync import OwnsCheckpointState, SyncStrategy
+from dtrain.train import checkpoint as ckpt
+from dtrain.train.callbacks import StepCallbacks
+from dtrain.train.evaluation import SearcherMetric
+from dtrain.train.optimization import Optimization
+from dtrain.train.rng import capture_rng_state, restore_rng_state
+from dtrain.train.schedule import Schedule
+from dtrain.train.state import TrainerState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint as rank 0 read it, on every rank: its step, the model's state and the rest (`state.pt`)."""
+
+    step: int
+    model_state: dict[str, Any]
+    state: dict[str, Any]
+
+    @property
+    def strategy_state(self) -> dict[str, Any]:
+        return dict(self.state.get("strategy", {}))
+
+
+def read_checkpoint(root: Path, topology: Topology) -> Checkpoint | None:
+    """The latest complete checkpoint under `root`, read by rank 0 and broadcast to the others; None if none."""
+    payload = None
+    if topology.is_chief:
+        ckpt.remove_stale_partials(root)
+        ref = ckpt.find_resume_checkpoint(root)
+        if ref is not None:
+            model_state, state = ckpt.load_checkpoint(ref)
+            payload = (ref.step, model_state, state)
+    if topology.is_distributed:
+        step = broadcast_object(payload[0] if payload else None)
+        if step is None:
+            return None
+        payload = broadcast_object(payload)
+    if payload is None:
+        return None
+    step, model_state, state = payload
+    return Checkpoint(step=step, model_state=model_state, state=state)
+
+
+class PlainCheckpointState:
+    """The default checkpoint state: the unwrapped model's and the optimizer's own state_dict."""
+
+    def __init__(self, strategy: SyncStrategy) -> None:
+        self.strategy = strategy
+
+    def model_state_dict(self) -> dict[str, Any]:
+        return self.strategy.unwrap_model().state_dict()
+
+    def load_model_state_dict(self, state: dict[str, Any]) -> None:
+        self.strategy.unwrap_model().load_state_dict(state)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
+
+
+def checkpoint_state_of(strategy: SyncStrategy) -> OwnsCheckpointState:
+    """The strategy itself where it owns its checkpoint state, else the plain default."""
+    return strategy if isinstance(strategy, OwnsCheckpointState) else PlainCheckpointState(strategy)
+
+
+def resume(checkpoint: Checkpoint, root: Path, owner: OwnsCheckpointState, optimization: Optimization,
+           rank: int) -> TrainerState:
+    """Load a checkpoint's model, optimizer, schedules and this rank's RNG state (the strategy's own state was
+    loaded before it wrapped the model); return the trainer state it carries, counting this resume."""
+    try:
+        owner.load_model_state_dict(checkpoint.model_state)
+    except RuntimeError as exc:
+        raise CheckpointError(f"checkpoint step-{checkpoint.step} in {root} does not fit this Trial's model ("
+                              f"{' '.join(str(exc).split())[:300]}); resume with the model it was written "
+                              "for, or give a new --run-dir") from None
+    owner.load_optimizer_state_dict(optimization.optimizer, checkpoint.state["optimizer"])
+    optimization.load_schedule_state(checkpoint.state)
+    state = TrainerState.from_dict(checkpoint.state["trainer"])
+    state.resumes += 1
+    rng = checkpoint.state["rng"]
+    restore_rng_state(rng[rank] if rank < len(rng) else rng[0])
+    log.info("resumed from checkpoint step-%d", checkpoint.step)
+    return state
+
+
+class CheckpointPolicy:
+    """When a checkpoint is written (the schedule's period and the end, after a validation with
+    `checkpoint_policy: all`, or with `best` when the searcher metric improved) and which are kept."""
+
+    def __init__(self, config: ExperimentConfig, schedule: Schedule, searcher: SearcherMetric) -> None:
+        self.policy = config.checkpoint_policy
+        self.keep_latest = config.checkpoint_storage.save_trial_latest
+        self.keep_best = config.checkpoint_storage.save_trial_best
+        self.schedule = schedule
+        self.searcher = searcher
+
+    def due(self, step: int, *, validated: bool, metric: float | None,
+            validations: Sequence[Mapping[str, Any]]) -> bool:
+        """`validations` is the run's history, this step's validation last when `validated`."""
+        if self.schedule.checkpoint_due(step):
+            return True
+        if not validated:
+            return False
+        if self.policy == "all":
+            return True
+        if self.policy == "best":
+            return metric is not None and self.searcher.is_best(metric, validations[:-1])
+        return False
+
+    def best_steps(self, checkpoint_metrics: Mapping[int, float]) -> set[int]:
+        """The steps of the `save_trial_best` checkpoints with the best searcher metric."""
+        if not self.keep_best or not checkpoint_metrics:
+            return set()
+        ordered = sorted(checkpoint_metrics.items(), key=lambda item: item[1],
+                         reverse=not self.searcher.smaller_is_better)
+        return {step for step, _ in ordered[:self.keep_best]}
+
+
+class Checkpointer:
+    """Writes the run's checkpoints (all ranks call `write` together) and remembers the latest one."""
+
+    def __init__(self, root: Path, topology: Topology, owner: OwnsCheckpointState, policy: CheckpointPolicy,
+                 callbacks: StepCallbacks) -> None:
+        self.root = root
+        self.topology = topology
+        self.owner = owner
+        self.policy = policy
+        self.callbacks = callbacks
+        self.latest: ckpt.CheckpointRef | None = None  # written by this process (rank 0)
+
+    def write(self, step: int, metric: float | None, *, state: TrainerState, optimization: Optimization,
+              strategy: SyncStrategy, epoch: float) -> None:
+        """Every rank's RNG state and the model, optimizer, schedules, strategy and trainer state after `step`;
+        `metric` is the searcher metric of a validation at this step (kept for best-checkpoint pruning)."""
+        rng_states = all_gather_object(capture_rng_state())
+        if metric is not None:
+            state.checkpoint_metrics[step] = metric
+        model_state = self.owner.model_state_dict()
+        optimizer_state = self.owner.optimizer_state_dict(optimization.optimizer)
+        if not self.topology.is_chief:
+            return
+        started = time.perf_counter()
+        contents = {"optimizer": optimizer_state, **optimization.schedule_state(), "strategy": strategy.state_dict(),
+                    "trainer": state.to_dict(), "rng": rng_states}
+        ref = ckpt.write_checkpoint(self.root, step, model_state, contents,
+                                    extra_meta={"world_size": self.topology.world_size, "epoch": epoch},
+                                    after_model_file=lambda: self.callbacks.during_checkpoint(step))
+        self.latest = ref
+        ckpt.prune_checkpoints(self.root, self.policy.keep_latest, self.policy.best_steps(state.checkpoint_metrics))
+        log.info("checkpoint %s written in %.2f s", ref.path, time.perf_counter() - started)
+
+    def newest(self) -> ckpt.CheckpointRef | None:
+        """The checkpoint this run wrote last, else (on rank 0) the newest complete one on disk."""
+        if self.latest is None and self.topology.is_chief:
+            return ckpt.find_resume_checkpoint(self.root)
+        return self.latest

@@ -1,0 +1,85 @@
+"""Validation: every rank evaluates its shard of the validation data, and the metrics are averaged over all
+ranks weighted by records, so the result is the same as one process evaluating everything."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain.comm import Topology, all_gather_object, all_reduce_sums
+from dtrain.data.sharding import validation_shard
+from dtrain.errors import TrialError
+from dtrain.train.batches import SizedDataset, batch_length, metric_value, move_to_device, returns_batches
+from dtrain.train.trial import Trial
+
+log = logging.getLogger(__name__)
+
+
+class Evaluator:
+    """Runs the Trial's evaluate_batch over this rank's shard and reduces the record-weighted sums."""
+
+    def __init__(self, data: SizedDataset, trial: Trial, topology: Topology, *, channels_last: bool) -> None:
+        self.data = data
+        self.trial = trial
+        self.topology = topology
+        self.channels_last = channels_last
+        self.batched = returns_batches(data)
+
+    def evaluate(self, model: nn.Module, batch_size: int) -> dict[str, float]:
+        """The metrics over the whole validation data (a collective: every rank calls it together)."""
+        model.eval()
+        shard = validation_shard(len(self.data), self.topology.rank, self.topology.world_size)
+        sums: dict[str, float] = {"__records": 0.0}
+        with torch.no_grad():
+            for first in range(shard.start, shard.stop, batch_size):
+                indices = list(range(first, min(first + batch_size, shard.stop)))
+                if self.batched:
+                    batch = self.data.__getitems__(indices)  # type: ignore[attr-defined]
+                else:
+                    batch = torch.utils.data.default_collate([self.data[i] for i in indices])
+                batch = move_to_device(batch, self.topology.device, self.channels_last)
+                outputs = self.trial.evaluate_batch(batch, model)
+                if not isinstance(outputs, Mapping) or not outputs:
+                    raise TrialError("evaluate_batch() must return a non-empty dict {metric name: batch mean}")
+                size = batch_length(batch)
+                for name, value in outputs.items():
+                    sums[name] = sums.get(name, 0.0) + metric_value(name, value, "evaluate_batch()") * size
+                sums["__records"] += size
+        names = all_gather_object(sorted(sums)) if self.topology.is_distributed else [sorted(sums)]
+        for name in set().union(*names):
+            sums.setdefault(name, 0.0)
+        reduced = all_reduce_sums(sums)
+        records = reduced.pop("__records")
+        return {name: value / records for name, value in reduced.items()}
+
+
+class SearcherMetric:
+    """The config's `searcher.metric` among validation metrics (with or without a `validation_` prefix), and
+    which of its values is the best so far."""
+
+    def __init__(self, name: str, *, smaller_is_better: bool) -> None:
+        self.name = name
+        self.smaller_is_better = smaller_is_better
+        self.warned = False  # the metric was missing once: say so only once
+
+    def of(self, metrics: Mapping[str, float]) -> float | None:
+        for candidate in (self.name, self.name.removeprefix("validation_")):
+            if candidate in metrics:
+                return metrics[candidate]
+        if not self.warned:
+            self.warned = True
+            log.warning("searcher.metric %r is not among the validation metrics %s; best-checkpoint selection "
+                        "keeps the latest ones", self.name, sorted(metrics))
+        return None
+
+    def is_best(self, metric: float, earlier_validations: Sequence[Mapping[str, Any]]) -> bool:
+        """True when `metric` beats every earlier validation's (ties are not new bests)."""
+        earlier = [m for m in (self.of(v["metrics"]) for v in earlier_validations) if m is not None]
+        if not earlier:
+            return True
+        better = min if self.smaller_is_better else max
+        return better(earlier + [metric]) == metric and metric not in earlier
