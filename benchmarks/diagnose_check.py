@@ -29,7 +29,7 @@ worker.
     flock /tmp/dtrain-bench.lock python benchmarks/diagnose_check.py --quick    # 1 round, short trials
 
 Writes benchmarks/results/diagnose_check.{json,md} and copies the 1 Gbit/s diagnosis chart to
-benchmarks/results/diagnose_chart.png (the README shows it).
+benchmarks/results/diagnose_chart.png (docs/tools.md shows it).
 """
 
 from __future__ import annotations

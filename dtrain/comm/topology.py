@@ -68,7 +68,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         if addr is None or port is None:
             raise LaunchError("under Slurm, MASTER_ADDR and MASTER_PORT must be exported before srun, e.g. "
                               "`export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1) "
-                              "MASTER_PORT=29500` (README, Slurm)")
+                              "MASTER_PORT=29500` (docs/guide.md, 'Under plain torchrun or Slurm')")
         return LaunchEnv(rank=number("SLURM_PROCID"), world_size=world, local_rank=number("SLURM_LOCALID", 0),
                          local_world_size=local_world, node_rank=number("SLURM_NODEID", 0), launcher="slurm",
                          master_addr=addr, master_port=int(port), restart_count=number("SLURM_RESTART_COUNT", 0))

@@ -22,7 +22,7 @@ DESCRIPTION = """Predict the step time, throughput and scaling efficiency of syn
 before the cluster exists, split into compute and the communication that does not hide behind backward, name
 the bottleneck, and recommend parameter servers, batch size and compression. The model: alpha-beta costs of
 ring / tree / halving-doubling / hierarchical all-reduce or parameter servers, DDP-style gradient buckets
-pipelined with backward, compression and aggregation_frequency (README, "Planning a cluster")."""
+pipelined with backward, compression and aggregation_frequency (docs/tools.md, "dtrain plan")."""
 
 EPILOG = """examples:
   dtrain plan --model resnet50 --samples-per-second 400 --devices 64 --inter-gbit 25

@@ -18,14 +18,14 @@ NOT_BUILT_YET: list[tuple[str, tuple[Any, ...], str]] = [
 
 
 def check_buildable(config: ExperimentConfig) -> None:
-    """Refuse settings that are valid by the contract but whose feature is not built yet (see README)."""
+    """Refuse settings that are valid by the contract but whose feature is not built yet (docs/guide.md)."""
     for dotted, working, reason in NOT_BUILT_YET:
         value: Any = config
         for part in dotted.split("."):
             value = getattr(value, part)
         if value not in working:
             shown = " or ".join(repr(v) for v in working)
-            raise ConfigError(f"`{dotted}` = {value!r}: {reason} (README, feature table); "
+            raise ConfigError(f"`{dotted}` = {value!r}: {reason} (README, 'What works'); "
                               f"remove it or set it to {shown}")
 
 

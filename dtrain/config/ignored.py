@@ -14,7 +14,7 @@ IGNORED_KEYS: dict[str, str] = {
     "retention_policy": "dtrain keeps logs in the run dir",
     "preemption_timeout": "dtrain has no scheduler that preempts",
     "tensorboard_storage": "dtrain writes TensorBoard events into the run dir",
-    "slurm": "start dtrain under Slurm with srun instead (see README)",
+    "slurm": "start dtrain under Slurm with srun instead (docs/guide.md, 'Under plain torchrun or Slurm')",
     "pbs": "dtrain does not submit PBS jobs",
     "resources.resource_pool": "dtrain has no resource pools",
     "resources.priority": "dtrain has no scheduler",

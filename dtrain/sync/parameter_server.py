@@ -102,7 +102,7 @@ class ParameterServerStrategy:
         if topology.servers < 1:
             raise SyncError("distributed.strategy parameter_server needs server processes besides the workers; "
                             "start the run with `dtrain run`, or start slots_per_trial + servers processes under "
-                            "torchrun/srun (README, parameter servers)")
+                            "torchrun/srun (docs/guide.md, 'Parameter servers')")
         self.topology = topology
         self.settings = settings
         self.lockstep = settings.mode == "sync" and settings.backup_workers == 0
