@@ -20,7 +20,8 @@ from dtrain.train.state import TrainerState
 def run_summary(*, status: str, topology: Topology, sizes: BatchSizes, state: TrainerState, schedule: Schedule,
                 checkpoint: CheckpointRef | None, run_dir: Path, strategy: dict[str, Any],
                 compression: str) -> dict[str, Any]:
-    """The summary's fields in their contract order (docs/guide.md, "What a run writes"); `strategy` is the strategy's describe()."""
+    """The summary's fields in their contract order (docs/guide.md, "What a run writes"); `strategy` is the
+    strategy's describe()."""
     history = state.validation_history
     split = sizes.split
     return {
