@@ -1,4 +1,5 @@
-"""What every benchmark shares: machine facts, result files (JSON + markdown) and A/B alternation."""
+"""What every benchmark shares: machine facts, result files (JSON + markdown), A/B alternation, and the one
+statistics path for ratio headlines (the median of ratios paired within a round, with the per-round values)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,58 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_average() -> float:
+    """The 1-minute load average (0.0 where the OS has none): how busy the shared machine was."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+
+
+STARTED = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "load_average": load_average()}
+
+
+def git_commit(repo: Path = REPO) -> dict[str, Any]:
+    """The commit the benchmark measured and whether the tree had uncommitted changes (None outside git)."""
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
+
+
+def paired_ratio(numerators: Sequence[float], denominators: Sequence[float]) -> dict[str, Any]:
+    """Ratios paired round by round (both sides measured back to back in the same round): their median as
+    `value`, the per-round ratios, their min and max. Unpaired medians would hide drift in the machine's load."""
+    if len(numerators) != len(denominators) or not numerators:
+        raise ValueError(f"paired ratios need as many numerators as denominators, at least one: "
+                         f"{len(numerators)} vs {len(denominators)}")
+    per_round = [float(a) / float(b) for a, b in zip(numerators, denominators, strict=True)]
+    return {"value": median(per_round), "per_round": per_round, "min": min(per_round), "max": max(per_round)}
+
+
+def ratio_headline(key: str, numerators: Sequence[float], denominators: Sequence[float]) -> dict[str, Any]:
+    """`{key: median of paired ratios, key_per_round: [...], key_min, key_max}` for a result's headline."""
+    ratio = paired_ratio(numerators, denominators)
+    return {key: ratio["value"], f"{key}_per_round": ratio["per_round"], f"{key}_min": ratio["min"],
+            f"{key}_max": ratio["max"]}
+
+
+def rounds_of(rows: Sequence[dict[str, Any]], variant: str, key: str) -> list[float]:
+    """`key` of `variant`'s rows in round order (rows as `alternate` returns them)."""
+    return [float(row[key]) for row in sorted((r for r in rows if r["variant"] == variant),
+                                              key=lambda r: int(r["repeat"]))]
 
 
 def machine_info(network: str = "none (loopback, unshaped)") -> dict[str, Any]:
@@ -26,9 +73,13 @@ def machine_info(network: str = "none (loopback, unshaped)") -> dict[str, Any]:
 
 def write_results(name: str, headline: dict[str, Any], rows: list[dict[str, Any]], markdown: str,
                   machine: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
-    """Write benchmarks/results/<name>.json and <name>.md; return the JSON path."""
+    """Write benchmarks/results/<name>.json and <name>.md; return the JSON path. Every result records the commit
+    it measured (and whether the tree was dirty), when it started and ended, and the load at both ends."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": name, "headline": headline, "machine": machine, "rows": rows, **(extra or {})}
+    provenance = {**git_commit(), "started": STARTED["date"], "ended": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                  "load_average_start": STARTED["load_average"], "load_average_end": load_average()}
+    payload = {"benchmark": name, **provenance, "headline": headline, "machine": machine, "rows": rows,
+               **(extra or {})}
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     (RESULTS / f"{name}.md").write_text(markdown.rstrip() + "\n")

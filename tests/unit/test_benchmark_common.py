@@ -1,0 +1,60 @@
+"""The benchmarks' one statistics path: paired per-round ratios and the provenance every result records."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _common() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_common", REPO / "benchmarks" / "common.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_paired_ratio_is_the_median_of_per_round_ratios_not_a_ratio_of_medians() -> None:
+    common = _common()
+    a, b = [10.0, 30.0, 20.0], [20.0, 10.0, 40.0]  # per round 0.5, 3.0, 0.5; ratio of medians would be 1.0
+    ratio = common.paired_ratio(a, b)
+    assert ratio["per_round"] == pytest.approx([0.5, 3.0, 0.5])
+    assert ratio["value"] == pytest.approx(0.5)
+    assert statistics.median(a) / statistics.median(b) == pytest.approx(1.0)
+    assert (ratio["min"], ratio["max"]) == (pytest.approx(0.5), pytest.approx(3.0))
+
+
+def test_ratio_headline_puts_per_round_values_beside_the_key() -> None:
+    headline = _common().ratio_headline("speedup", [2.0, 3.0], [1.0, 2.0])
+    assert headline == {"speedup": pytest.approx(1.75), "speedup_per_round": pytest.approx([2.0, 1.5]),
+                        "speedup_min": pytest.approx(1.5), "speedup_max": pytest.approx(2.0)}
+
+
+def test_unpaired_inputs_are_refused() -> None:
+    with pytest.raises(ValueError, match="as many numerators as denominators"):
+        _common().paired_ratio([1.0, 2.0], [1.0])
+
+
+def test_rounds_of_orders_a_variants_rows_by_round() -> None:
+    rows = [{"variant": "a", "repeat": 1, "t": 3.0}, {"variant": "b", "repeat": 0, "t": 9.0},
+            {"variant": "a", "repeat": 0, "t": 1.0}]
+    assert _common().rounds_of(rows, "a", "t") == [1.0, 3.0]
+
+
+def test_every_result_records_its_commit_and_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    common = _common()
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    path = common.write_results("x", {"k": 1.0}, [], "text", {"cores": 2})
+    payload = json.loads(path.read_text())
+    head = common.git_commit()["commit"]
+    assert payload["commit"] == head and len(head) == 40
+    assert isinstance(payload["dirty"], bool)
+    for key in ("started", "ended", "load_average_start", "load_average_end"):
+        assert key in payload
