@@ -55,10 +55,10 @@ def ratio_headline(key: str, numerators: Sequence[float], denominators: Sequence
             f"{key}_max": ratio["max"]}
 
 
-def rounds_of(rows: Sequence[dict[str, Any]], variant: str, key: str) -> list[float]:
-    """`key` of `variant`'s rows in round order (rows as `alternate` returns them)."""
+def rounds_of(rows: Sequence[dict[str, Any]], variant: str, key: str, round_key: str = "repeat") -> list[float]:
+    """`key` of `variant`'s rows in round order (rows as `alternate` returns them, or numbered by `round_key`)."""
     return [float(row[key]) for row in sorted((r for r in rows if r["variant"] == variant),
-                                              key=lambda r: int(r["repeat"]))]
+                                              key=lambda r: int(r[round_key]))]
 
 
 def machine_info(network: str = "none (loopback, unshaped)") -> dict[str, Any]:
