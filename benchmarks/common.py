@@ -22,9 +22,6 @@ def load_average() -> float:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
 
 
-STARTED = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "load_average": load_average()}
-
-
 def git_commit(repo: Path = REPO) -> dict[str, Any]:
     """The commit the benchmark measured and whether the tree had uncommitted changes (None outside git)."""
     def git(*args: str) -> str | None:
@@ -36,6 +33,10 @@ def git_commit(repo: Path = REPO) -> dict[str, Any]:
 
     status = git("status", "--porcelain", "--untracked-files=no")
     return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
+
+
+# Taken when the benchmark starts: the commit it measures is the one checked out then, not at the end.
+STARTED = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "load_average": load_average(), **git_commit()}
 
 
 def paired_ratio(numerators: Sequence[float], denominators: Sequence[float]) -> dict[str, Any]:
@@ -76,7 +77,8 @@ def write_results(name: str, headline: dict[str, Any], rows: list[dict[str, Any]
     """Write benchmarks/results/<name>.json and <name>.md; return the JSON path. Every result records the commit
     it measured (and whether the tree was dirty), when it started and ended, and the load at both ends."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    provenance = {**git_commit(), "started": STARTED["date"], "ended": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    provenance = {"commit": STARTED["commit"], "dirty": STARTED["dirty"], "started": STARTED["date"],
+                  "ended": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                   "load_average_start": STARTED["load_average"], "load_average_end": load_average()}
     payload = {"benchmark": name, **provenance, "headline": headline, "machine": machine, "rows": rows,
                **(extra or {})}
