@@ -1,7 +1,10 @@
 """Stragglers: Fashion-MNIST on 3 workers, one of them 3x slower, under allreduce and the parameter-server modes.
 
 Five variants (1 server unless stated), all with the demo CNN, global batch 192 (64 per worker), SGD with Nesterov
-momentum and a one-cycle rate over the run, the straggler made by `debug.slow_rank: 2` / `debug.slow_factor: 3`:
+momentum and a one-cycle rate over the run, rank 2 made about 3x slower (`--straggler`): by default for real, its
+process put in a cgroup whose CPU quota leaves it 2/7 of a core while the other two share the rest
+(benchmarks/cpu_quota.py; root and the cgroup v1 cpu controller), else by `debug.slow_rank: 2` /
+`debug.slow_factor: 3` (a sleep, whose freed CPU helps the others on a 2-core machine; the result says which):
 allreduce sync, PS sync, PS sync with 1 backup worker, PS async, PS ssp (staleness 4). They run alternately
 (A B C D E, E D C B A, ...). Reported: time to the target accuracy (training wall time from the start of the
 loop, validations included, to the first validation at or above the target) and final accuracy; the headline
@@ -38,6 +41,9 @@ VARIANTS: list[tuple[str, list[str]]] = [
 NON_WAITING = ("PS sync, 1 backup worker", "PS async", "PS ssp (s=4)")
 
 
+STRAGGLER = {"how": "sleep"}  # set by main(): "cgroup" or "sleep"
+
+
 def run(overrides: list[str], run_dir: Path, epochs: float, validations_per_epoch: int, workdir: Path,
         straggler: bool = True) -> dict[str, Any]:
     """One `dtrain run` of the Fashion-MNIST example; the summary's figures."""
@@ -47,12 +53,17 @@ def run(overrides: list[str], run_dir: Path, epochs: float, validations_per_epoc
                 f"min_validation_period={{batches: {batches_per_epoch // validations_per_epoch}}}",
                 f"scheduling_unit={batches_per_epoch // validations_per_epoch}",
                 "min_checkpoint_period={batches: 0}", "checkpoint_policy=none", *overrides]
-    if straggler:
+    if straggler and STRAGGLER["how"] == "sleep":
         settings += [f"debug.slow_rank={SLOW_RANK}", f"debug.slow_factor={SLOW_FACTOR}"]
     from common import dtrain_run
+    from cpu_quota import share_for_slowdown, slowed_rank
 
     began = time.perf_counter()
-    summary = dtrain_run(CONFIG, run_dir, settings, workdir)
+    if straggler and STRAGGLER["how"] == "cgroup":
+        with slowed_rank(SLOW_RANK, share_for_slowdown(SLOW_FACTOR, WORKERS, 2)):
+            summary = dtrain_run(CONFIG, run_dir, settings, workdir)
+    else:
+        summary = dtrain_run(CONFIG, run_dir, settings, workdir)
     history = [{"step": e["step"], "accuracy": e["metrics"]["accuracy"], "wall_seconds": e["wall_seconds"]}
                for e in summary["validation_history"]]
     return {"final_accuracy": history[-1]["accuracy"], "training_wall_s": summary["wall_seconds"],
@@ -100,8 +111,20 @@ def main() -> None:
     parser.add_argument("--epochs", type=float, help="epochs per run (default 3; 1 with --quick)")
     parser.add_argument("--target", type=float, help="accuracy target (default 0.88; 0.80 with --quick)")
     parser.add_argument("--validations-per-epoch", type=int, default=6, help="default 6")
+    parser.add_argument("--straggler", choices=("cgroup", "sleep"), default="cgroup",
+                        help="how rank 2 is slowed: a CPU quota (default; falls back to the sleep without root) or "
+                             "debug.slow_factor's sleep")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from cpu_quota import unavailable_reason
+
+    fallback = unavailable_reason() if args.straggler == "cgroup" else None
+    STRAGGLER["how"] = "sleep" if fallback else args.straggler
+    straggler_note = (f"a CPU quota of {SLOW_FACTOR}x less than the others' share (cgroup v1 cpu controller)"
+                      if STRAGGLER["how"] == "cgroup" else
+                      "`debug.slow_factor` (a sleep)" + (f"; the CPU quota was not available: {fallback}"
+                                                          if fallback else ""))
+    print(f"straggler: rank {SLOW_RANK}, {straggler_note}", flush=True)
     from common import alternate, machine_info, markdown_table, median, time_to, write_results
 
     epochs = args.epochs or (1.0 if args.quick else 3.0)
@@ -156,7 +179,8 @@ def main() -> None:
                 "target_accuracy": target, "epochs": epochs,
                 "time_to_target_s": {label: reached(label) for label, _ in VARIANTS},
                 "final_accuracy": {label: final(label) for label, _ in VARIANTS},
-                "bytes_per_server_2_over_1": halving,
+                "bytes_per_server_2_over_1": halving, "straggler": STRAGGLER["how"],
+                "straggler_note": straggler_note, "rounds": args.repeats,
                 "targets": {"speedup_to_88": ">= 1.5", "async_accuracy_gap_points": "<= 1.5"}}
     table = markdown_table(
         ["variant", "repeat", f"time to {pct} (s)", "final accuracy", "training wall (s)", "staleness mean / max",
@@ -174,7 +198,7 @@ def main() -> None:
     name = "stragglers_quick" if args.quick else "stragglers"
     speed = f"{speedup:.2f}x ({best})" if speedup else "not measurable (a variant missed the target)"
     markdown = (f"# {name}\n\nFashion-MNIST, {WORKERS} workers (global batch {GLOBAL_BATCH}), rank {SLOW_RANK} "
-                f"{SLOW_FACTOR}x slower (`debug.slow_factor`), 1 parameter server, {epochs:g} epochs, "
+                f"{SLOW_FACTOR}x slower ({straggler_note}), 1 parameter server, {epochs:g} epochs, "
                 f"{args.repeats} round(s) alternated.\n\n**speedup to {pct} of the best non-waiting variant over "
                 f"allreduce sync: {speed}** (target >= 1.5); **async accuracy gap: {gap:.2f} points** below PS sync "
                 f"(target <= 1.5).\n\n{table}\n\nTimes are training wall time from the start of the training loop "
