@@ -1,0 +1,316 @@
+"""Horovod's process model on torch.distributed: init/shutdown, rank and size (world, host, cross-host),
+what is "built", the reduce ops, process sets and the timeline switch.
+
+Rank and size come from the variables `dtrain horovodrun` (or torchrun, or Horovod's own gloo launcher) sets:
+`HOROVOD_RANK`/`RANK`, `HOROVOD_SIZE`/`WORLD_SIZE`, and their local and cross-host counterparts. Without any
+of them (a plain `python train.py`) `init()` makes a world of one, as Horovod does.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed import HashStore
+
+Average, Sum, Adasum, Min, Max, Product = 1, 0, 2, 3, 4, 5
+OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
+NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
+IGNORED_KNOBS = {
+    "HOROVOD_CYCLE_TIME": "there is no background cycle: each collective runs when it is called",
+    "HOROVOD_AUTOTUNE": "fusion is per dtype up to HOROVOD_FUSION_THRESHOLD; nothing is tuned at run time",
+    "HOROVOD_HIERARCHICAL_ALLREDUCE": "gloo all-reduce is flat",
+    "HOROVOD_CACHE_CAPACITY": "there is no response cache: shapes are checked on every call",
+}
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective failed (a peer died or disagreed); `hvd.elastic.run` restores the last commit on it."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 - Horovod's name
+    """The set of hosts changed; raised on every rank together by `State.commit()`."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("hosts updated")
+        self.skip_sync = skip_sync
+
+
+class ProcessSet:
+    """A subset of the global ranks that collectives can run on (`process_set=`); the global set has id 0."""
+
+    def __init__(self, ranks: list[int] | None = None) -> None:
+        self.ranks: list[int] | None = sorted(set(ranks)) if ranks is not None else None
+        if ranks is not None and len(self.ranks or []) != len(ranks):
+            raise ValueError(f"a process set lists each rank once, got {ranks}")
+        self.process_set_id: int | None = None
+        self.group: Any = None  # the torch ProcessGroup; None = the world
+
+    def _require(self) -> None:
+        if self.process_set_id is None:
+            raise ValueError("this process set is not registered: pass it to hvd.init(process_sets=[...]) or "
+                             "hvd.add_process_set(...)")
+
+    def size(self) -> int:
+        self._require()
+        return len(self.ranks) if self.ranks is not None else size()
+
+    def rank(self) -> int:
+        self._require()
+        if not self.included():
+            raise ValueError(f"rank {rank()} is not in process set {self.process_set_id} (ranks {self.ranks})")
+        return self.ranks.index(rank()) if self.ranks is not None else rank()
+
+    def included(self) -> bool:
+        self._require()
+        return self.ranks is None or rank() in self.ranks
+
+    def __repr__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+
+global_process_set = ProcessSet()
+
+
+@dataclass
+class _State:
+    initialized: bool = False
+    owns_group: bool = False
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    cross_rank: int = 0
+    cross_size: int = 1
+    sets: dict[int, ProcessSet] = field(default_factory=dict)
+    next_set_id: int = 1
+    timeline: Any = None
+    timeline_started: float = 0.0
+
+
+STATE = _State()
+
+
+def _env_int(*names: str, default: int) -> int:
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            return int(value)  # type: ignore[arg-type]
+    return default
+
+
+def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -> None:
+    """Join the job (idempotent). Creates the gloo process group from the launcher's variables unless one
+    exists already; `comm` (a list of world ranks) is not supported: use a process set instead."""
+    if STATE.initialized:
+        return
+    if comm is not None:
+        raise ValueError("hvd.init(comm=...) needs MPI; on dtrain pass process_sets=[hvd.ProcessSet(ranks)] or "
+                         "call hvd.add_process_set(ranks) after init()")
+    world = _env_int("HOROVOD_SIZE", "WORLD_SIZE", default=1)
+    me = _env_int("HOROVOD_RANK", "RANK", default=0)
+    if not dist.is_initialized():
+        if world == 1 and "MASTER_ADDR" not in os.environ:
+            dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+        else:
+            os.environ.setdefault("MASTER_ADDR", os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1"))
+            if "HOROVOD_GLOO_RENDEZVOUS_PORT" in os.environ:
+                os.environ.setdefault("MASTER_PORT", os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"])
+            if "HOROVOD_GLOO_IFACE" in os.environ:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", os.environ["HOROVOD_GLOO_IFACE"])
+            timeout = float(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "300"))
+            from datetime import timedelta
+
+            dist.init_process_group("gloo", rank=me, world_size=world, timeout=timedelta(seconds=timeout))
+        STATE.owns_group = True
+    STATE.rank, STATE.size = dist.get_rank(), dist.get_world_size()
+    STATE.local_size = _env_int("HOROVOD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", default=STATE.size)
+    STATE.local_rank = _env_int("HOROVOD_LOCAL_RANK", "LOCAL_RANK", default=STATE.rank % STATE.local_size)
+    STATE.cross_rank = _env_int("HOROVOD_CROSS_RANK", "GROUP_RANK", default=STATE.rank // STATE.local_size)
+    STATE.cross_size = _env_int("HOROVOD_CROSS_SIZE", default=max(1, STATE.size // STATE.local_size))
+    STATE.initialized = True
+    global_process_set.process_set_id = 0
+    global_process_set.group = None
+    STATE.sets = {0: global_process_set}
+    STATE.next_set_id = 1
+    if isinstance(process_sets, list):
+        for process_set in process_sets:
+            add_process_set(process_set)
+    if STATE.rank == 0:
+        for name, why in IGNORED_KNOBS.items():
+            if os.environ.get(name) not in (None, "", "0"):
+                warnings.warn(f"dtrain.horovod: {name} is ignored ({why})", stacklevel=2)
+    timeline = os.environ.get("HOROVOD_TIMELINE")
+    if timeline and timeline != "DYNAMIC":
+        start_timeline(timeline)
+
+
+def shutdown() -> None:
+    """Leave the job: write the timeline, drop the process sets and the process group this module made."""
+    if not STATE.initialized:
+        return
+    stop_timeline()
+    if STATE.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+    for process_set in STATE.sets.values():
+        process_set.process_set_id = None
+        process_set.group = None
+    STATE.__init__()  # type: ignore[misc]
+
+
+def is_initialized() -> bool:
+    return STATE.initialized
+
+
+def _check() -> None:
+    if not STATE.initialized:
+        raise ValueError(NOT_INITIALIZED)
+
+
+def rank() -> int:
+    _check()
+    return STATE.rank
+
+
+def size() -> int:
+    _check()
+    return STATE.size
+
+
+def local_rank() -> int:
+    _check()
+    return STATE.local_rank
+
+
+def local_size() -> int:
+    _check()
+    return STATE.local_size
+
+
+def cross_rank() -> int:
+    _check()
+    return STATE.cross_rank
+
+
+def cross_size() -> int:
+    _check()
+    return STATE.cross_size
+
+
+def is_homogeneous() -> bool:
+    _check()
+    return STATE.size == STATE.local_size * STATE.cross_size
+
+
+def gloo_built() -> bool:
+    return dist.is_gloo_available()
+
+
+def gloo_enabled() -> bool:
+    return dist.is_gloo_available()
+
+
+def nccl_built() -> int:
+    return int(dist.is_nccl_available())
+
+
+def mpi_built() -> bool:
+    return False
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def add_process_set(process_set: ProcessSet | list[int]) -> ProcessSet:
+    """Register a process set (every rank must call this, in the same order, with the same ranks)."""
+    _check()
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(list(process_set))
+    if process_set.ranks is None:
+        raise ValueError("the global process set is always registered")
+    if any(r < 0 or r >= STATE.size for r in process_set.ranks):
+        raise ValueError(f"process set ranks {process_set.ranks} must lie in 0..{STATE.size - 1}")
+    if any(s.ranks == process_set.ranks for s in STATE.sets.values()):
+        raise ValueError(f"a process set with ranks {process_set.ranks} is already registered")
+    process_set.group = dist.new_group(process_set.ranks)
+    process_set.process_set_id = STATE.next_set_id
+    STATE.sets[STATE.next_set_id] = process_set
+    STATE.next_set_id += 1
+    return process_set
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a process set (every rank, same order). The global set cannot be removed."""
+    _check()
+    if process_set.process_set_id in (None, 0):
+        return False
+    STATE.sets.pop(process_set.process_set_id, None)  # type: ignore[arg-type]
+    if process_set.group is not None and dist.get_rank() in (process_set.ranks or []):
+        dist.destroy_process_group(process_set.group)
+    process_set.process_set_id, process_set.group = None, None
+    return True
+
+
+# ------------------------------------------------------------------------------------------------ timeline
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Record every collective of this rank as a span in a Chrome trace (dtrain's timeline format) until
+    `stop_timeline()`. Every rank writes its own file: rank r > 0 appends `.rank-r` to the name."""
+    _check()
+    from dtrain.profile.timeline import Timeline
+
+    stop_timeline()
+    path = Path(file_path) if STATE.rank == 0 else Path(f"{file_path}.rank-{STATE.rank}")
+    STATE.timeline = Timeline(rank=STATE.rank, path=path, begin_on_batch=0, end_after_batch=None)
+    STATE.timeline.events.append({"name": "horovod", "ph": "M", "pid": STATE.rank, "args": {
+        "start_time_since_epoch_in_micros": int(time.time() * 1e6), "host": socket.gethostname(),
+        "mark_cycles": mark_cycles}})
+
+
+def stop_timeline() -> None:
+    """Write the timeline started by `start_timeline` (or HOROVOD_TIMELINE) and stop recording."""
+    if STATE.timeline is not None:
+        STATE.timeline.write()
+        STATE.timeline = None
+
+
+def record_span(kind: str, name: str, start: float, end: float, negotiated: float | None = None,
+                args: dict[str, Any] | None = None) -> None:
+    """One collective on the timeline: `NEGOTIATE_<KIND>` (the metadata check) then `<KIND>`."""
+    timeline = STATE.timeline
+    if timeline is None:
+        return
+    if negotiated is not None:
+        timeline.span(f"NEGOTIATE_{kind}", start, negotiated, 0, track=1, args={"tensor": name})
+        start = negotiated
+    timeline.span(kind, start, end, 0, track=1, args={"tensor": name, **(args or {})})
