@@ -8,6 +8,7 @@ of them (a plain `python train.py`) `init()` makes a world of one, as Horovod do
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import time
@@ -91,7 +92,7 @@ class _State:
     sets: dict[int, ProcessSet] = field(default_factory=dict)
     next_set_id: int = 1
     timeline: Any = None
-    timeline_started: float = 0.0
+    timeline_at_exit: bool = False
 
 
 STATE = _State()
@@ -292,6 +293,9 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     stop_timeline()
     path = Path(file_path) if STATE.rank == 0 else Path(f"{file_path}.rank-{STATE.rank}")
     STATE.timeline = Timeline(rank=STATE.rank, path=path, begin_on_batch=0, end_after_batch=None)
+    if not STATE.timeline_at_exit:  # scripts rarely call shutdown(): write what was recorded when they end
+        atexit.register(stop_timeline)
+        STATE.timeline_at_exit = True
     STATE.timeline.events.append({"name": "horovod", "ph": "M", "pid": STATE.rank, "args": {
         "start_time_since_epoch_in_micros": int(time.time() * 1e6), "host": socket.gethostname(),
         "mark_cycles": mark_cycles}})
