@@ -3,10 +3,12 @@ ranks, with Horovod's semantics (backward_passes_per_step, gradient_predivide_fa
 skip_synchronize, zero gradients for parameters a rank did not use).
 
 How it differs inside: Horovod launches one allreduce per parameter from a gradient hook, matched by name in a
-background cycle. Here hooks only count backward passes; `synchronize()` packs the gradients into fused
-buffers (per dtype, up to HOROVOD_FUSION_THRESHOLD bytes, 128 MiB by default, 0 = one per tensor) and reduces
-each with one negotiated allreduce. Every rank submits every gradient (a zero one where its graph did not use
-the parameter), so data-dependent graphs cannot hang. With `op=hvd.Adasum` the gradients (not Horovod's
+background cycle. Here gradients are fused into buckets (per dtype, in the order backward produces them, up to
+HOROVOD_FUSION_THRESHOLD bytes, 4 MiB by default, 0 = one per tensor); a gradient hook counts backward passes,
+and a bucket's negotiated allreduce starts as soon as all its gradients are ready, in bucket order, so it
+travels while backward goes on, as DDP's buckets do. `synchronize()` starts what is left and waits. Every rank
+submits every bucket (with zero gradients where its graph did not use a parameter), in the same order, so
+data-dependent graphs cannot hang. With `op=hvd.Adasum` the gradients (not Horovod's
 optimizer deltas) are combined by dtrain's Adasum, tensor by tensor.
 """
 
@@ -33,8 +35,14 @@ ZERO_GRAD_RACE = ("optimizer.zero_grad() was called after loss.backward() but be
                   "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
 
 
+DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
+
+
 def fusion_threshold_bytes() -> int:
-    return int(os.environ.get("HOROVOD_FUSION_THRESHOLD", str(128 * 1024 * 1024)))
+    """HOROVOD_FUSION_THRESHOLD if set (0 = a bucket per tensor), else 4 MiB. Horovod's default is 128 MiB, but
+    its fusion only joins tensors ready within one 1-ms cycle, so its buffers are small in practice; here a
+    bucket waits for all its gradients, and 4 MiB buckets let the first ones travel while backward goes on."""
+    return int(os.environ.get("HOROVOD_FUSION_THRESHOLD", str(DEFAULT_BUCKET_BYTES)))
 
 
 class _DistributedOptimizer:
@@ -84,6 +92,7 @@ class _DistributedOptimizer:
         self._compressor_state: Any = None
         self._communicates = process_set.included() and (
             basics.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1")
+        self._plan_buckets()
         if self._communicates:
             for p in self._params:
                 p.register_post_accumulate_grad_hook(self._counted)
@@ -92,50 +101,90 @@ class _DistributedOptimizer:
         if self._passes[p] <= 0:
             raise AssertionError(TOO_MANY_PASSES)
         self._passes[p] -= 1
+        if self._passes[p] == 0:
+            self._ready.add(p)
+            self._launch_ready()
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         self.backward_passes_per_step = passes
         self._passes = {p: passes for p in self._params}
 
-    def _buckets(self) -> list[list[torch.Tensor]]:
+    def _plan_buckets(self) -> None:
+        """Fuse the gradients, in the order backward produces them (the reverse of the parameters'), into buckets
+        of one dtype up to the fusion threshold; a bucket is reduced as soon as all its gradients are ready."""
         limit = fusion_threshold_bytes()
         buckets: list[list[torch.Tensor]] = []
         current: dict[torch.dtype, list[torch.Tensor]] = {}
         sizes: dict[torch.dtype, int] = {}
-        for p in self._params:
-            grad = p.grad
-            assert grad is not None
-            nbytes = grad.numel() * grad.element_size()
-            if current.get(grad.dtype) and (limit == 0 or sizes[grad.dtype] + nbytes > limit):
-                buckets.append(current.pop(grad.dtype))
-                sizes[grad.dtype] = 0
-            current.setdefault(grad.dtype, []).append(p)
-            sizes[grad.dtype] = sizes.get(grad.dtype, 0) + nbytes
+        for p in reversed(self._params):
+            nbytes = p.numel() * p.element_size()
+            if current.get(p.dtype) and (limit == 0 or sizes[p.dtype] + nbytes > limit):
+                buckets.append(current.pop(p.dtype))
+                sizes[p.dtype] = 0
+            current.setdefault(p.dtype, []).append(p)
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + nbytes
         buckets.extend(current.values())
-        return buckets
+        self._bucket_list = buckets
+        self._ready: set[torch.Tensor] = set()
+        self._next_bucket = 0
+        self._inflight: list[tuple[list[torch.Tensor], Any]] = []
+
+    def _launch_ready(self) -> None:
+        """Start, in bucket order (the same on every rank), each bucket whose gradients are all ready."""
+        while self._next_bucket < len(self._bucket_list) and all(
+                p in self._ready for p in self._bucket_list[self._next_bucket]):
+            self._launch(self._next_bucket)
+            self._next_bucket += 1
+
+    def _launch(self, index: int) -> None:
+        bucket = self._bucket_list[index]
+        grads: list[torch.Tensor] = []
+        for p in bucket:
+            assert p.grad is not None  # a hook fired, or synchronize() gave it zeros
+            grads.append(p.grad.to_dense() if p.grad.is_sparse else p.grad)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        name = f"{self._parameter_names[bucket[0]]}" + (f"+{len(bucket) - 1}" if len(bucket) > 1 else "")
+        if self.op == Adasum or isinstance(self._compression, DtrainCompressor):
+            reduced = self._reduce(flat, index, [g.numel() for g in grads], name)
+            self._inflight.append((bucket, lambda: reduced))
+            return
+        factor = self.gradient_predivide_factor
+        compressed, context = self._compression.compress(flat)
+        buffer, work, post = ops._start_allreduce(compressed, self.op, 1.0 / factor, factor, self.process_set, name)
+
+        def finish() -> torch.Tensor:
+            if work is not None:
+                work.wait()
+            out = ops._finish_allreduce(compressed, buffer, post, None)
+            return self._compression.decompress(out, context)  # type: ignore[no-any-return]
+
+        self._inflight.append((bucket, finish))
 
     def synchronize(self) -> None:
-        """Average (or reduce with `op`) every gradient over the process set now; `step()` then needs
-        `skip_synchronize()` to not do it again."""
+        """Finish reducing (average, or `op`) every gradient over the process set; `step()` then needs
+        `skip_synchronize()` to not do it again. A parameter this rank did not use gets a zero gradient, so
+        every rank submits the same buckets."""
         if not self._communicates:
             self._synchronized = True
             return
         for p in self._params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            elif p.grad.is_sparse:
-                p.grad = p.grad.to_dense()  # sparse gradients travel dense (Horovod's sparse_as_dense)
-        for index, bucket in enumerate(self._buckets()):
-            grads = [p.grad for p in bucket if p.grad is not None]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            name = f"{self._parameter_names[bucket[0]]}" + (f"+{len(bucket) - 1}" if len(bucket) > 1 else "")
-            reduced = self._reduce(flat, index, [g.numel() for g in grads], name)
+        self._ready.update(self._params)
+        self._launch_ready()
+        for bucket, finish in self._inflight:
+            reduced = finish()
             offset = 0
             with torch.no_grad():
-                for grad in grads:
+                for p in bucket:
+                    grad = p.grad
+                    assert grad is not None
+                    if grad.is_sparse:
+                        p.grad = grad = grad.to_dense()
                     n = grad.numel()
                     grad.copy_(reduced[offset:offset + n].view_as(grad))
                     offset += n
+        self._ready, self._next_bucket, self._inflight = set(), 0, []
         self._passes = {p: self.backward_passes_per_step for p in self._params}
         self._synchronized = True
 
@@ -201,6 +250,7 @@ class _DistributedOptimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)  # type: ignore[misc]
         self._passes = {p: self.backward_passes_per_step for p in self._params}
+        self._ready, self._next_bucket, self._inflight = set(), 0, []
         self._synchronized = False
 
 
