@@ -63,6 +63,7 @@ bench: setup
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/stragglers.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/diagnose_check.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/chaos.py
+	flock /tmp/dtrain-bench.lock $(PY) benchmarks/horovod_compat.py
 
 lint: setup
 	$(VENV)/bin/ruff check dtrain tests benchmarks examples
