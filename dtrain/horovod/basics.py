@@ -96,6 +96,7 @@ class _State:
 
 
 STATE = _State()
+_AT_EXIT: list[bool] = []
 
 
 def _env_int(*names: str, default: int) -> int:
@@ -136,6 +137,9 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
     STATE.cross_rank = _env_int("HOROVOD_CROSS_RANK", "GROUP_RANK", default=STATE.rank // STATE.local_size)
     STATE.cross_size = _env_int("HOROVOD_CROSS_SIZE", default=max(1, STATE.size // STATE.local_size))
     STATE.initialized = True
+    if not _AT_EXIT:  # as Horovod does: leave cleanly when the script ends without hvd.shutdown()
+        atexit.register(shutdown)
+        _AT_EXIT.append(True)
     global_process_set.process_set_id = 0
     global_process_set.group = None
     STATE.sets = {0: global_process_set}
