@@ -100,6 +100,16 @@ def run_dtrain(args: argparse.Namespace, workdir: Path, repeat: int) -> dict[str
     return {"img_sec_per_worker": float(summary["samples_per_second"]) / 2}
 
 
+def retried(run: Any, args: argparse.Namespace, workdir: Path, repeat: int) -> dict[str, Any]:
+    """One variant's run; a crash (seen here once per few dozen runs: SIGABRT in gloo's teardown after the
+    figures were taken, on the DDP side as well as dtrain's) is retried once and counted in the row."""
+    try:
+        return {**run(args, workdir, repeat), "attempts": 1}
+    except RuntimeError as error:
+        print(f"  failed, retrying once: {str(error).strip().splitlines()[-1][:200]}", flush=True)
+        return {**run(args, workdir, repeat), "attempts": 2}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2 rounds of short runs (a check, not a result)")
@@ -120,16 +130,17 @@ def main() -> None:
     labels = ("dtrain horovodrun (Horovod script)", "DDP under torchrun", "dtrain run (Trial)")
     with tempfile.TemporaryDirectory(prefix="horovod_compat-") as tmp:
         workdir = Path(tmp)
-        rows = alternate([(labels[0], lambda r: run_horovodrun(args, workdir, r)),
-                          (labels[1], lambda r: run_ddp(args, workdir, r)),
-                          (labels[2], lambda r: run_dtrain(args, workdir, r))], args.rounds)
+        rows = alternate([(labels[0], lambda r: retried(run_horovodrun, args, workdir, r)),
+                          (labels[1], lambda r: retried(run_ddp, args, workdir, r)),
+                          (labels[2], lambda r: retried(run_dtrain, args, workdir, r))], args.rounds)
     ours = rounds_of(rows, labels[0], "img_sec_per_worker")
     headline: dict[str, Any] = {
         **ratio_headline("img_per_sec_ratio_vs_ddp", ours, rounds_of(rows, labels[1], "img_sec_per_worker")),
         **ratio_headline("img_per_sec_ratio_vs_dtrain_run", ours, rounds_of(rows, labels[2], "img_sec_per_worker")),
         "target": "img_per_sec_ratio_vs_ddp >= 0.97", "workers": 2, "batch_per_worker": BATCH,
         "image_size": IMAGE, "rounds": args.rounds,
-        "real_horovod": "does not build against torch 2.13 (docs/horovod.md)"}
+        "real_horovod": "does not build against torch 2.13 (docs/horovod.md)",
+        "retried_runs": sum(1 for r in rows if r["attempts"] > 1)}
     per_round = ", ".join(f"{v:.3f}" for v in headline["img_per_sec_ratio_vs_ddp_per_round"])
     markdown = "\n\n".join([
         "# horovod_compat",
