@@ -64,6 +64,7 @@ bench: setup
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/diagnose_check.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/chaos.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/horovod_compat.py
+	flock /tmp/dtrain-bench.lock $(PY) benchmarks/horovod_accuracy.py
 
 lint: setup
 	$(VENV)/bin/ruff check dtrain tests benchmarks examples

@@ -93,7 +93,30 @@ def negotiate(kind: str, name: str, tensor: torch.Tensor | None, group: Any, op:
               ranks: Sequence[int] | None = None) -> torch.Tensor:
     """All-gather this rank's row and check the table; returns it (rows in group-rank order). Raises
     RuntimeError, the same on every rank, when the ranks disagree or a rank has joined and the op needs it."""
-    table = _exchange(_row(kind, tensor, op, root), group)
+    return check_table(kind, name, _exchange(_row(kind, tensor, op, root), group), ranks)
+
+
+def negotiate_async(kind: str, name: str, tensor: torch.Tensor, group: Any, op: int = 0,
+                    ranks: Sequence[int] | None = None) -> Callable[[], torch.Tensor]:
+    """Start the same exchange without waiting; the returned function waits and checks. For a collective whose
+    every rank is known to agree on shapes (a DistributedOptimizer bucket after its first, checked, step): the
+    rows still travel, so a joined rank still answers, but backward never blocks on them."""
+    world = dist.get_world_size(group)
+    rows = [torch.empty(ROW, dtype=torch.int64) for _ in range(world)]
+    work = dist.all_gather(rows, _row(kind, tensor, op), group=group, async_op=True)
+    if group is None:
+        JOIN.cycle += 1
+
+    def check() -> torch.Tensor:
+        assert work is not None
+        work.wait()
+        return check_table(kind, name, torch.stack(rows), ranks)
+
+    return check
+
+
+def check_table(kind: str, name: str, table: torch.Tensor, ranks: Sequence[int] | None) -> torch.Tensor:
+    """Compare the gathered rows; the same RuntimeError on every rank when they disagree."""
     members = list(ranks) if ranks is not None else list(range(table.shape[0]))
     joined = [members[i] for i in range(table.shape[0]) if int(table[i, 0]) == KINDS["JOIN"]]
     if joined and kind not in ("ALLREDUCE", "BARRIER"):
@@ -115,7 +138,7 @@ def negotiate(kind: str, name: str, tensor: torch.Tensor | None, group: Any, op:
                                f"{_describe(reference)} but rank {members[i]} submitted {_describe(row)}; every "
                                "rank must call the same collectives with the same dtypes and shapes")
     if int(reference[1]) == 99:
-        raise RuntimeError(f"{kind.lower()} '{name}': unsupported dtype {tensor.dtype if tensor is not None else ''}")
+        raise RuntimeError(f"{kind.lower()} '{name}': unsupported dtype")
     return table
 
 
@@ -203,8 +226,10 @@ def _work_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _start_allreduce(tensor: torch.Tensor, op: int, prescale: float, postscale: float, process_set: ProcessSet,
-                     name: str) -> tuple[torch.Tensor, Any, float]:
-    """Negotiate and start the reduction; returns (buffer, work, postscale still to apply)."""
+                     name: str, checked_before: bool = False) -> tuple[torch.Tensor, Any, float]:
+    """Negotiate and start the reduction; returns (buffer, work, postscale still to apply). With
+    `checked_before` (the same collective already agreed on by every rank) the negotiation is not waited for
+    here: the returned work waits for it and checks it."""
     if tensor.dtype not in REDUCIBLE:
         raise ValueError(f"allreduce '{name}': dtype {tensor.dtype} is not reducible; use int32, int64, float16, "
                          "bfloat16, float32 or float64")
@@ -212,7 +237,11 @@ def _start_allreduce(tensor: torch.Tensor, op: int, prescale: float, postscale: 
         raise ValueError(f"allreduce '{name}': unknown op {op}; use hvd.Average, Sum, Adasum, Min, Max or Product")
     group = _group_of(process_set)
     started = time.perf_counter()
-    negotiate("ALLREDUCE", name, tensor, group, op=op, ranks=process_set.ranks)
+    pending_check = None
+    if checked_before and op != Adasum:
+        pending_check = negotiate_async("ALLREDUCE", name, tensor, group, op=op, ranks=process_set.ranks)
+    else:
+        negotiate("ALLREDUCE", name, tensor, group, op=op, ranks=process_set.ranks)
     negotiated = time.perf_counter()
     buffer = _work_tensor(tensor)
     _scale(buffer, prescale)
@@ -229,7 +258,24 @@ def _start_allreduce(tensor: torch.Tensor, op: int, prescale: float, postscale: 
     work = dist.all_reduce(buffer, op=TORCH_OPS[op], group=group, async_op=True)
     basics.record_span("ALLREDUCE", name, started, time.perf_counter(), negotiated,
                        {"dtype": str(tensor.dtype), "shape": list(tensor.shape)})
+    if pending_check is not None:
+        work = _CheckedWork(work, pending_check)
     return buffer, work, postscale / world if op == Average else postscale
+
+
+@dataclass
+class _CheckedWork:
+    """An allreduce's work whose negotiation is checked when it is waited for."""
+
+    work: Any
+    check: Callable[[], torch.Tensor]
+
+    def wait(self) -> bool:
+        self.check()
+        return bool(self.work.wait())
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
 
 
 def _finish_allreduce(tensor: torch.Tensor, buffer: torch.Tensor, post: float, out: torch.Tensor | None

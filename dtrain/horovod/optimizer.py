@@ -125,6 +125,7 @@ class _DistributedOptimizer:
             sizes[p.dtype] = sizes.get(p.dtype, 0) + nbytes
         buckets.extend(current.values())
         self._bucket_list = buckets
+        self._checked: set[int] = set()  # buckets whose shapes every rank has agreed on (blocking, first step)
         self._ready: set[torch.Tensor] = set()
         self._next_bucket = 0
         self._inflight: list[tuple[list[torch.Tensor], Any]] = []
@@ -150,7 +151,9 @@ class _DistributedOptimizer:
             return
         factor = self.gradient_predivide_factor
         compressed, context = self._compression.compress(flat)
-        buffer, work, post = ops._start_allreduce(compressed, self.op, 1.0 / factor, factor, self.process_set, name)
+        buffer, work, post = ops._start_allreduce(compressed, self.op, 1.0 / factor, factor, self.process_set, name,
+                                                  checked_before=index in self._checked)
+        self._checked.add(index)
 
         def finish() -> torch.Tensor:
             if work is not None:

@@ -225,6 +225,23 @@ def _optimizer_behaviour(hvd: Any, size: int, rank: int) -> dict[str, Any]:
     return out
 
 
+def _optimizer_with_join(hvd: Any, size: int, rank: int) -> list[float]:
+    """Rank 0 runs out of data after one step and joins; the others' later steps average in its zeros."""
+    model = torch.nn.Linear(2, 1, bias=False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   named_parameters=model.named_parameters())
+    seen = []
+    for _ in range(1 if rank == 0 else 3):
+        opt.zero_grad()
+        model(torch.ones(1, 2)).sum().backward()
+        opt.synchronize()
+        seen.append(float(model.weight.grad[0, 0]))
+        with opt.skip_synchronize():
+            opt.step()
+    hvd.join()
+    return seen
+
+
 def _sync_batch_norm(hvd: Any, size: int, rank: int) -> float:
     torch.manual_seed(3)
     full = torch.randn(4 * size, 3, 5, dtype=torch.float64)
@@ -250,7 +267,8 @@ def _everything(topology: Any, timeline: str) -> dict[str, Any]:
     results = {"collectives": _collectives(hvd, size, rank), "gradients": _gradients(hvd, size, rank),
                "errors": _errors(hvd, size, rank), "sets": _process_sets_and_join(hvd, size, rank),
                "optimizer": _optimizer(hvd, size, rank), "behaviour": _optimizer_behaviour(hvd, size, rank),
-               "sync_batch_norm": _sync_batch_norm(hvd, size, rank)}
+               "sync_batch_norm": _sync_batch_norm(hvd, size, rank),
+               "join_optimizer": _optimizer_with_join(hvd, size, rank)}
     hvd.stop_timeline()
     results["info"] = (hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size())
     hvd.shutdown()
@@ -267,6 +285,8 @@ def test_horovod_api_against_local_references(size: int, tmp_path: Path) -> None
         assert result["errors"] == ["shape: ok", "dtype: ok"], f"rank {rank}"
         assert all(value < 1e-9 for value in result["optimizer"].values()), result["optimizer"]
         assert result["sync_batch_norm"] < 1e-9
+        partial = (size - 1) / size
+        assert result["join_optimizer"] == pytest.approx([1.0] if rank == 0 else [1.0, partial, partial])
         behaviour = result["behaviour"]
         assert behaviour["lr"] == pytest.approx(0.1) and behaviour["isinstance"]
         assert len(behaviour["warnings"]) == 1 and behaviour["warnings"][0].startswith("optimizer.step() called")
