@@ -222,6 +222,15 @@ def _optimizer_behaviour(hvd: Any, size: int, rank: int) -> dict[str, Any]:
     with opt.skip_synchronize():
         opt.step()
     out["isinstance"] = isinstance(opt, torch.optim.SGD)
+    for label, compression in (("fp16", hvd.Compression.fp16), ("dtrain_topk", hvd.Compression.dtrain("topk",
+                                                                                                   ratio=1.0))):
+        layer = torch.nn.Linear(4, 3)
+        compressed = hvd.DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=0.0), compression=compression,
+                                              named_parameters=layer.named_parameters())
+        layer(torch.full((2, 4), float(rank + 1))).sum().backward()
+        compressed.synchronize()
+        # d(sum)/d(bias) = 2 per rank; d(sum)/d(weight) = 2 (rank + 1); averaged over the ranks
+        out[label] = (layer.bias.grad.tolist(), float(layer.weight.grad[0, 0]))
     return out
 
 
@@ -291,6 +300,10 @@ def test_horovod_api_against_local_references(size: int, tmp_path: Path) -> None
         assert behaviour["lr"] == pytest.approx(0.1) and behaviour["isinstance"]
         assert len(behaviour["warnings"]) == 1 and behaviour["warnings"][0].startswith("optimizer.step() called")
         assert result["info"] == (rank, size, 0, 1)
+        mean_weight = 2 * sum(range(1, size + 1)) / size
+        for label in ("fp16", "dtrain_topk"):
+            bias, weight = behaviour[label]
+            assert bias == pytest.approx([2.0] * 3, rel=1e-3) and weight == pytest.approx(mean_weight, rel=1e-3)
         sets = result["sets"]
         if rank < 2:
             assert sets["set_sum"] == 3.0 and sets["set_rank"] == rank

@@ -51,6 +51,20 @@ def test_fashion_mnist_trainer_with_amp_pattern(tmp_path: Path) -> None:
     assert any(event["name"] == "ALLREDUCE" for event in trace)
 
 
+def test_any_command_runs_with_horovod_variables(tmp_path: Path) -> None:
+    done = _run(["-np", "2", "bash", "-c", "echo rank=$HOROVOD_RANK/$HOROVOD_SIZE local=$HOROVOD_LOCAL_RANK"],
+                tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(line for line in done.stdout.splitlines() if line.startswith("rank=")) == [
+        "rank=0/2 local=0", "rank=1/2 local=1"]
+
+
+def test_a_failing_command_fails_the_job_with_one_line(tmp_path: Path) -> None:
+    done = _run(["-np", "2", "python", "-c", "import sys; sys.exit(3)"], tmp_path)
+    assert done.returncode == 1
+    assert "dtrain horovodrun: python -c import sys; sys.exit(3) failed (rank 0: exit code 3" in done.stderr
+
+
 def _worker_pids(root: int, script: str) -> list[int]:
     pids = []
     for entry in Path("/proc").iterdir():
