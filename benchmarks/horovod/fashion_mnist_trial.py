@@ -6,11 +6,8 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
-from scripts import load_script
+from scripts import ClassifierTrial, load_script
 from torch import nn
-
-import dtrain
 
 
 def _data_dir() -> str:
@@ -19,7 +16,7 @@ def _data_dir() -> str:
     return str(os.environ.get("FASHION_MNIST_DIR") or find_data_dir())
 
 
-class HorovodScriptTrial(dtrain.Trial):
+class HorovodScriptTrial(ClassifierTrial):
     def build_model(self) -> nn.Module:
         return load_script("fashion_mnist").Net()  # type: ignore[no-any-return]
 
@@ -33,13 +30,3 @@ class HorovodScriptTrial(dtrain.Trial):
 
     def build_validation_data(self) -> torch.utils.data.Dataset:
         return load_script("fashion_mnist").dataset(_data_dir(), "t10k")  # type: ignore[no-any-return]
-
-    def train_batch(self, batch: tuple[torch.Tensor, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
-        images, labels = batch
-        return {"loss": F.cross_entropy(model(images), labels)}
-
-    def evaluate_batch(self, batch: tuple[torch.Tensor, torch.Tensor], model: nn.Module
-                       ) -> dict[str, torch.Tensor | float]:
-        images, labels = batch
-        logits = model(images)
-        return {"loss": F.cross_entropy(logits, labels), "accuracy": (logits.argmax(1) == labels).float().mean()}

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from scripts import load_script
+from scripts import ClassifierTrial, load_script
 from torch import nn
 
-import dtrain
 
-
-class SyntheticConvnetTrial(dtrain.Trial):
+class SyntheticConvnetTrial(ClassifierTrial):
     def build_model(self) -> nn.Module:
         return load_script("synthetic_benchmark").convnet()  # type: ignore[no-any-return]
 
@@ -26,13 +23,3 @@ class SyntheticConvnetTrial(dtrain.Trial):
     def build_validation_data(self) -> torch.utils.data.Dataset:
         size = int(self.context.hparams["image_size"])
         return torch.utils.data.TensorDataset(torch.randn(64, 3, size, size), torch.randint(0, 1000, (64,)))
-
-    def train_batch(self, batch: tuple[torch.Tensor, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
-        images, labels = batch
-        return {"loss": F.cross_entropy(model(images), labels)}
-
-    def evaluate_batch(self, batch: tuple[torch.Tensor, torch.Tensor], model: nn.Module
-                       ) -> dict[str, torch.Tensor | float]:
-        images, labels = batch
-        logits = model(images)
-        return {"loss": F.cross_entropy(logits, labels), "accuracy": (logits.argmax(1) == labels).float().mean()}
