@@ -13,7 +13,8 @@ NOT_BUILT_YET: list[tuple[str, tuple[Any, ...], str]] = [
     ("distributed.strategy", ("allreduce", "parameter_server"),
      "only the allreduce and parameter_server strategies are built so far"),
     ("optimizations.mixed_precision", ("O0",), "mixed precision is not built yet"),
-    ("searcher.name", ("single",), "hyperparameter search is not built yet; one trial runs per experiment"),
+    ("searcher.name", ("single",), "running a hyperparameter search is not built yet (`dtrain preview` shows its "
+     "plan); one trial runs per experiment"),
 ]
 
 

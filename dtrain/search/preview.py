@@ -1,0 +1,54 @@
+"""`dtrain preview`: what a search would run, like Determined's `det preview-search`, without training."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+from dtrain.errors import ConfigError
+from dtrain.search import asha
+from dtrain.search.space import Space
+from dtrain.search.spec import parse_searcher
+
+
+def preview(raw: Mapping[str, Any]) -> str:
+    """The plan of the search an experiment file (as a dict) describes."""
+    searcher = raw.get("searcher")
+    if not isinstance(searcher, Mapping):
+        raise ConfigError("the experiment file has no `searcher:` section; add one, e.g. `searcher: {name: random, "
+                          "max_trials: 8, max_length: {epochs: 4}, metric: validation_loss}`")
+    spec = parse_searcher(searcher)
+    space = Space.parse(raw.get("hyperparameters") or {})
+    names = ", ".join(p.name for p in space.searchable) or "none (every hyperparameter is a constant)"
+    lines = [f"searcher {spec.name}, metric {spec.metric} ({'smaller' if spec.smaller_is_better else 'larger'} is "
+             f"better); searched: {names}"]
+    if spec.name == "random":
+        lines.append(f"{spec.max_trials} trials of {spec.max_length} {spec.unit} each, up to "
+                     f"{spec.max_concurrent_trials or spec.max_trials} at once: {spec.max_trials * spec.max_length} "
+                     f"{spec.unit} in all")
+        example = space.sample(random.Random(0))
+        lines.append(f"first trial's hyperparameters (seed 0): {example}")
+    elif spec.name == "grid":
+        points = space.grid()
+        lines.append(f"{len(points)} grid points, each trained for {spec.max_length} {spec.unit}: "
+                     f"{len(points) * spec.max_length} {spec.unit} in all")
+        for p in space.searchable:
+            lines.append(f"  {p.name}: {p.grid()}")
+    else:
+        brackets = asha.plan(spec.max_trials, spec.max_length, spec.divisor, spec.max_rungs, spec.mode,
+                             spec.max_concurrent_trials, list(spec.bracket_rungs) or None)
+        total = 0
+        for index, bracket in enumerate(brackets):
+            reached = bracket.expected_trials_per_rung(spec.divisor)
+            lines.append(f"bracket {index + 1}: {bracket.rungs} rung(s), {bracket.max_trials} trials, up to "
+                         f"{bracket.max_concurrent_trials} at once")
+            before = 0
+            for rung, (units, trials) in enumerate(zip(bracket.units, reached, strict=True)):
+                lines.append(f"  rung {rung + 1}: {trials} trial(s) reach {units} {spec.unit}")
+                total += trials * (units - before)
+                before = units
+        full = spec.max_trials * spec.max_length
+        lines.append(f"about {total} {spec.unit} in all if every rung keeps exactly its top 1/{spec.divisor:g} "
+                     f"({total / full:.0%} of training all {spec.max_trials} trials fully: {full} {spec.unit})")
+    return "\n".join(lines)

@@ -1,0 +1,82 @@
+"""The `searcher:` section of a search, read as Determined's searchers define it (random, grid, adaptive_asha),
+with one clear line for what is wrong."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dtrain.errors import ConfigError
+
+SEARCHERS = ("random", "grid", "adaptive_asha")
+UNITS = ("batches", "records", "epochs")
+MODES = ("aggressive", "standard", "conservative")
+
+
+@dataclass(frozen=True)
+class SearchSpec:
+    name: str
+    metric: str
+    smaller_is_better: bool
+    max_length: int
+    unit: str
+    max_trials: int
+    max_concurrent_trials: int
+    divisor: float
+    max_rungs: int
+    mode: str
+    bracket_rungs: tuple[int, ...]
+
+
+def _length(value: Any, where: str) -> tuple[int, str]:
+    if isinstance(value, Mapping) and len(value) == 1:
+        unit, units = next(iter(value.items()))
+        if unit in UNITS and isinstance(units, int) and not isinstance(units, bool) and units >= 1:
+            return units, str(unit)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value, "batches"
+    raise ConfigError(f"searcher.{where} {value!r}: give one of batches, records or epochs with a whole number "
+                      f">= 1, e.g. `{where}: {{epochs: 4}}`")
+
+
+def _whole(raw: Mapping[str, Any], key: str, default: int | None, minimum: int = 1) -> int:
+    value = raw.get(key, default)
+    if value is None:
+        raise ConfigError(f"searcher `{raw.get('name')}` needs {key}, e.g. `{key}: 16`")
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"searcher.{key} {value!r} must be a whole number >= {minimum}")
+    return value
+
+
+def parse_searcher(raw: Mapping[str, Any]) -> SearchSpec:
+    """`searcher:` of a search experiment -> SearchSpec, or one ConfigError."""
+    name = raw.get("name", "single")
+    if name not in SEARCHERS:
+        raise ConfigError(f"searcher.name {name!r} is not a search; the searches are {', '.join(SEARCHERS)}")
+    if "max_time" in raw:
+        metric_unit = raw.get("time_metric", "batches")
+        if metric_unit not in UNITS:
+            raise ConfigError(f"searcher.time_metric {metric_unit!r}: use batches, records or epochs")
+        units, unit = _length({metric_unit: raw["max_time"]}, "max_time")
+    elif "max_length" in raw:
+        units, unit = _length(raw["max_length"], "max_length")
+    else:
+        wanted = "max_time (with time_metric) or max_length" if name == "adaptive_asha" else "max_length"
+        raise ConfigError(f"searcher `{name}` needs {wanted}: how long a trial trains at most, e.g. "
+                          + ("`max_time: 4` and `time_metric: epochs`" if name == "adaptive_asha"
+                             else "`max_length: {epochs: 4}`"))
+    mode = raw.get("mode", "standard")
+    if mode not in MODES:
+        raise ConfigError(f"searcher.mode {mode!r}: use {', '.join(MODES)}")
+    divisor = raw.get("divisor", 4)
+    if isinstance(divisor, bool) or not isinstance(divisor, int | float) or divisor <= 1:
+        raise ConfigError(f"searcher.divisor {divisor!r} must be a number > 1 (Determined's default is 4)")
+    max_trials = _whole(raw, "max_trials", 0 if name == "grid" else None, 0 if name == "grid" else 1)
+    rungs = raw.get("bracket_rungs") or []
+    return SearchSpec(name=name, metric=str(raw.get("metric", "validation_loss")),
+                      smaller_is_better=bool(raw.get("smaller_is_better", True)), max_length=units, unit=unit,
+                      max_trials=max_trials,
+                      max_concurrent_trials=_whole(raw, "max_concurrent_trials", 16, 0),
+                      divisor=float(divisor), max_rungs=_whole(raw, "max_rungs", 5), mode=mode,
+                      bracket_rungs=tuple(int(r) for r in rungs))
