@@ -163,6 +163,9 @@ def _process_sets_and_join(hvd: Any, size: int, rank: int) -> dict[str, Any]:
         out["joined_average"] = hvd.allreduce(torch.tensor([6.0])).item()
         out["joined_int"] = hvd.allreduce(torch.tensor([5], dtype=torch.int32)).item()
         out["last_joined"] = hvd.join()
+    sparse = torch.sparse_coo_tensor(torch.tensor([[rank]]), torch.tensor([float(rank + 1)]), (size,))
+    reduced = hvd.synchronize(hvd.sparse_allreduce_async(sparse, name="sparse")).coalesce().to_dense()
+    out["sparse"] = reduced.tolist()
     out["objects"] = hvd.allgather_object({"rank": rank})
     out["object"] = hvd.broadcast_object({"from": rank}, root_rank=size - 1)
     return out
@@ -313,6 +316,7 @@ def test_horovod_api_against_local_references(size: int, tmp_path: Path) -> None
             assert sets["joined_average"] == pytest.approx(6.0 * (size - 1) / size)
             assert sets["joined_int"] == int(5 * (size - 1) / size)
         assert sets["objects"] == [{"rank": r} for r in range(size)]
+        assert sets["sparse"] == pytest.approx([(r + 1) / size for r in range(size)])
         assert sets["object"] == {"from": size - 1}
     assert len({r["sets"]["last_joined"] for r in results}) == 1 and results[0]["sets"]["last_joined"] != 0
     assert all(torch.equal(a, b) for a, b in zip(results[0]["behaviour"]["weights"],

@@ -58,6 +58,54 @@ def test_horovodrun_flags_become_horovod_knobs(tmp_path: Path) -> None:
     assert env["HOROVOD_ELASTIC"] == "1" and env["HOROVOD_AUTOTUNE"] == "1" and env["DTRAIN_HOROVOD_SHIM"] == "1"
 
 
+def test_the_shim_steps_aside_for_a_real_horovod_unless_forced(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import dtrain.horovod.launcher as launcher
+
+    monkeypatch.setattr(launcher, "real_horovod_installed", lambda: True)
+    assert environment(HorovodRun(command=["true"]), tmp_path)["DTRAIN_HOROVOD_SHIM"] == "0"
+    assert environment(HorovodRun(command=["true"], force=True), tmp_path)["DTRAIN_HOROVOD_SHIM"] == "1"
+    monkeypatch.setattr(launcher, "real_horovod_installed", lambda: False)
+    assert environment(HorovodRun(command=["true"]), tmp_path)["DTRAIN_HOROVOD_SHIM"] == "1"
+
+
+def test_elastic_state_commits_restores_and_survives_a_restart(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    import dtrain.horovod.torch as hvd
+
+    monkeypatch.setenv("DTRAIN_HOROVOD_STATE_DIR", str(tmp_path))
+    hvd.init()
+    try:
+        model = torch.nn.Linear(2, 1)
+        sampler = hvd.elastic.ElasticSampler(list(range(10)), shuffle=False)
+        state = hvd.elastic.TorchState(model, torch.optim.SGD(model.parameters(), lr=0.1), sampler=sampler,
+                                       epoch=3, batch=0)
+        sampler.record_batch(0, 4)
+        state.batch = 1
+        state.commit()
+        with torch.no_grad():
+            model.weight.fill_(7.0)
+        state.batch = 5
+        state.restore()
+        assert state.batch == 1 and float(model.weight.detach()[0, 0]) != 7.0 and list(sampler) == list(range(4, 10))
+        fresh = torch.nn.Linear(2, 1)
+        again = hvd.elastic.TorchState(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1),
+                                       sampler=hvd.elastic.ElasticSampler(list(range(10)), shuffle=False),
+                                       epoch=0, batch=0)
+        seen = []
+
+        @hvd.elastic.run
+        def train(s: hvd.elastic.TorchState) -> None:
+            seen.append((s.epoch, s.batch, len(list(s.sampler))))
+
+        train(again)  # a restarted process: it loads the commit written above before syncing
+        assert seen == [(3, 1, 6)] and torch.equal(fresh.weight, model.weight)
+    finally:
+        hvd.shutdown()
+
+
 def test_single_process_api_before_and_after_init() -> None:
     import torch
 
