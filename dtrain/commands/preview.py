@@ -15,7 +15,8 @@ def register(subcommands: Any) -> argparse.ArgumentParser:
         "preview", help="show what a hyperparameter search would run (no training)",
         description="Print the plan of the search an experiment file describes (searcher random, grid or "
                     "adaptive_asha): trials, the grid, adaptive ASHA's brackets and rungs and the training units "
-                    "they need. Running a search is not built yet (docs/search.md).")
+                    "they need. `dtrain run` runs random and grid searches; running adaptive ASHA is not built "
+                    "yet (docs/search.md).")
     parser.add_argument("config", help="experiment YAML file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, as for dtrain run (repeatable)")

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dtrain.errors import ExitCode
+from dtrain.errors import ConfigError, ExitCode
 
 DESCRIPTION = ("Train the experiment a YAML file describes, with one worker process per slot "
                f"(resources.slots_per_trial). Exit code {ExitCode.OK} only when training finished; {ExitCode.FAILED} "
@@ -38,6 +38,10 @@ def register(subcommands: Any) -> argparse.ArgumentParser:
     run.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                      help="c10d rendezvous endpoint shared by all nodes, instead of --node-rank/--master-*")
     run.add_argument("--rdzv-id", help="job id for the c10d rendezvous (default: dtrain-<name>)")
+    run.add_argument("--slots", type=int, help="a search (searcher random or grid): the slots this machine gives "
+                     "its trials (default: its cores); trials run side by side as the slots allow")
+    run.add_argument("--search-dir", type=Path, help="a search: where the study and the trials' run dirs go "
+                     "(default: runs/<name>-search/); the same dir resumes a stopped search")
     run.set_defaults(handler=run_experiment)
     return run
 
@@ -49,8 +53,14 @@ def run_experiment(args: argparse.Namespace) -> int:
     from dtrain.launch import NodeSpec, launch_workers
     from dtrain.runs.rundir import SUMMARY_FILE, prepare_run_dir, read_summary, write_json_atomic
     from dtrain.runs.store import RunStore
+    from dtrain.search.runner import is_search, raw_config
     from dtrain.train.entrypoint import load_trial_class
 
+    if is_search(raw_config(args.config, args.overrides)):
+        return _run_search(args)
+    if args.slots is not None or args.search_dir is not None:
+        raise ConfigError("--slots and --search-dir are for a search (searcher random or grid); this experiment's "
+                          "searcher is single: drop them")
     loaded = load_config(args.config, args.overrides)
     config = loaded.config
     check_buildable(config)
@@ -81,6 +91,31 @@ def run_experiment(args: argparse.Namespace) -> int:
         return ExitCode.OK
     _print_summary(info.run_dir, info.experiment_id, summary, time.time() - started)
     return ExitCode.OK if summary.get("status") == "completed" else ExitCode.STOPPED
+
+
+def _run_search(args: argparse.Namespace) -> int:
+    """`dtrain run` of a search: its trials, each an ordinary run, on this machine's slots (docs/search.md)."""
+    import os
+
+    from dtrain.runs.rundir import runs_root
+    from dtrain.search.runner import SearchRunner, raw_config
+
+    if args.nnodes != 1 or args.rdzv_endpoint or args.run_dir:
+        raise ConfigError("a search runs each trial on this machine with its own run dir: drop --nnodes, "
+                          "--rdzv-endpoint and --run-dir (use --search-dir for where the trials go)")
+    raw = raw_config(args.config, args.overrides)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    slots = args.slots or cores
+    if slots < 1:
+        raise ConfigError(f"--slots {slots}: at least 1")
+    name = str(raw.get("name") or Path(args.config).stem)
+    search_dir = args.search_dir or runs_root() / f"{name}-search"
+    overrides = [o for o in args.overrides if not o.startswith("searcher")]
+    runner = SearchRunner(Path(args.config), overrides, raw, search_dir, slots,
+                          seed=int((raw.get("reproducibility") or {}).get("experiment_seed", 0)))
+    print(f"dtrain search: {runner.spec.name} search of {runner.total} trials, {runner.parallel} at once; "
+          f"search dir {search_dir}", flush=True)
+    return runner.run()
 
 
 def _print_summary(run_dir: Path, experiment_id: int | None, summary: dict[str, Any], launch_seconds: float) -> None:

@@ -170,9 +170,9 @@ def _constant_hparam(name: str, spec: Any) -> Any:
             if "val" not in spec:
                 raise ValueError(f"hyperparameters.{name} has `type: const` without `val`; add e.g. `val: 0.1`")
             return spec["val"]
-        raise ValueError(f"hyperparameters.{name} has `type: {kind}`, a search space, but running a hyperparameter "
-                         "search is not built yet (`dtrain preview` shows its plan); give a constant to train one "
-                         f"trial, e.g. `{name.split('.')[-1]}: 0.1`")
+        raise ValueError(f"hyperparameters.{name} has `type: {kind}`, a search space, but searcher `single` trains "
+                         "one trial: set searcher.name to random or grid to search it (`dtrain preview` shows the "
+                         f"plan), or give a constant, e.g. `{name.split('.')[-1]}: 0.1`")
     if isinstance(spec, Mapping):
         return {key: _constant_hparam(f"{name}.{key}", value) for key, value in spec.items()}
     return spec
