@@ -121,8 +121,9 @@ class SearchRunner:
         log = open(logs / f"trial-{trial.number}.log", "a")  # noqa: SIM115 - the child holds it; closed at exit
         shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
         print(f"dtrain search: trial {trial.number} started ({shown})", flush=True)
+        # a session of its own: a terminal's Ctrl-C reaches the search alone, which passes it on once
         return Running(trial.number, trial, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                                              text=True), run_dir)
+                                                              text=True, start_new_session=True), run_dir)
 
     def _finish(self, study: Any, running: Running) -> dict[str, Any]:
         import optuna

@@ -46,3 +46,26 @@ def test_grid_search_trains_every_point_and_bad_flags_are_one_line(tmp_path: Pat
     wrong = subprocess.run([*DTRAIN, "run", str(FIXTURES / "digits.yaml"), "--slots", "2"], capture_output=True,
                            text=True, env=subprocess_env())
     assert wrong.returncode == 2 and "searcher is single: drop them" in wrong.stderr and "Traceback" not in wrong.stderr
+
+
+def test_ctrl_c_stops_a_search_and_the_same_command_resumes_it(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    search_dir = tmp_path / "search"
+    command = [*DTRAIN, "run", str(FIXTURES / "digits_search.yaml"), "--slots", "2", "--search-dir", str(search_dir),
+               "--set", "searcher.max_trials=2", "--set", "searcher.max_length={batches: 400}"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=subprocess_env())
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not list(search_dir.glob("trial-*/checkpoints/latest")):
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130, out[-1500:] + err[-1500:]
+    assert "interrupted; run the same command again to resume the search" in err
+    resumed = subprocess.run(command, capture_output=True, text=True, timeout=400, env=subprocess_env())
+    assert resumed.returncode == 0, resumed.stdout[-1500:] + resumed.stderr[-1500:]
+    assert "2 of 2 trials completed" in resumed.stdout
+    logs = "".join(path.read_text() for path in (search_dir / "logs").glob("trial-*.log"))
+    assert "(resuming)" in logs  # the interrupted trials went on from their checkpoints
