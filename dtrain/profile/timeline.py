@@ -65,7 +65,7 @@ class Timeline:
         """Write the file atomically (once; later calls do nothing) and return its path."""
         if not self.written:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.path.with_suffix(".partial")
+            partial = self.path.with_name(self.path.name + ".partial")  # unique per file, whatever its suffix
             partial.write_text(json.dumps({"traceEvents": self.events, "displayTimeUnit": "ms"}))
             os.replace(partial, self.path)
             self.written = True
