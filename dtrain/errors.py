@@ -15,6 +15,7 @@ class ExitCode(IntEnum):
     FAILED = 1  # workers failed: a crash, a lost worker, a stalled collective
     USER_ERROR = 2  # a config, data, checkpoint, Trial or command-line error, or a diverged run
     STOPPED = 3  # training stopped early (e.g. debug.stop_after_batch); resumable
+    INVALID_HP = 4  # the Trial rejected its hyperparameters (InvalidHP); a search moves on to the next trial
     INTERRUPTED = 130  # Ctrl-C or SIGTERM (128 + SIGINT, as shells report it); resumable
 
 
@@ -38,6 +39,16 @@ class CheckpointError(DtrainError):
 
 class TrialError(DtrainError):
     """The user's Trial class cannot be found or does not honour the Trial API."""
+
+
+class InvalidHP(DtrainError):
+    """A Trial rejects the combination of hyperparameters it was given (Determined's `InvalidHP`).
+
+    Raised from a Trial's code; the run ends with exit code 4 and a search records the trial as invalid and
+    draws the next one instead of failing.
+    """
+
+    exit_code = ExitCode.INVALID_HP
 
 
 class TrainingDiverged(DtrainError):
