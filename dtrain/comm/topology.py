@@ -219,7 +219,54 @@ def bind_loopback(port: int = 0) -> socket.socket:
     return listener
 
 
+@dataclass(frozen=True)
+class NodeGroups:
+    """The two levels of a cluster of `nodes` x `local_size` ranks (rank r sits on node r // local_size):
+    `local` holds this node's ranks, `cross` the ranks with this local rank on every node (one per node).
+    `leader` is the global rank of this node's local rank 0, which stands for the node between nodes."""
+
+    local: dist.ProcessGroup
+    cross: dist.ProcessGroup
+    nodes: int
+    local_size: int
+    local_rank: int
+    leader: int
+
+    @property
+    def is_leader(self) -> bool:
+        return self.local_rank == 0
+
+
+_NODE_GROUPS: dict[tuple[int, int], NodeGroups] = {}
+
+
+def node_groups(topology: Topology) -> NodeGroups:
+    """This rank's node-local and cross-node process groups, created once per layout by every rank together
+    (new_group is collective over the default group: all ranks create every group, in the same order)."""
+    world, local = topology.world_size, max(topology.local_world_size, 1)
+    if world % local:
+        raise LaunchError(f"{world} ranks cannot be cut into nodes of {local} (LOCAL_WORLD_SIZE); every node must "
+                          "run the same number of workers")
+    key = (world, local)
+    if key not in _NODE_GROUPS:
+        nodes = world // local
+        mine_local = mine_cross = None
+        for node in range(nodes):
+            group = dist.new_group(list(range(node * local, (node + 1) * local)))
+            if topology.rank // local == node:
+                mine_local = group
+        for index in range(local):
+            group = dist.new_group(list(range(index, world, local)))
+            if topology.rank % local == index:
+                mine_cross = group
+        assert mine_local is not None and mine_cross is not None
+        _NODE_GROUPS[key] = NodeGroups(local=mine_local, cross=mine_cross, nodes=nodes, local_size=local,
+                                       local_rank=topology.rank % local, leader=topology.rank - topology.rank % local)
+    return _NODE_GROUPS[key]
+
+
 def shutdown_distributed() -> None:
-    """Destroy the default process group if there is one."""
+    """Destroy the default process group (and the node groups made from it) if there is one."""
+    _NODE_GROUPS.clear()
     if dist.is_initialized():
         dist.destroy_process_group()

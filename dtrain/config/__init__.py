@@ -12,7 +12,7 @@ one-line errors), `gate` (features not built yet) and `reference` (docs/config-r
 
 from dtrain.config.base import Length, Section
 from dtrain.config.debug import Debug, Kill
-from dtrain.config.distributed import Compression, Distributed, Optimizations, ParameterServer
+from dtrain.config.distributed import Compression, Distributed, Heterogeneous, LocalSGD, Optimizations, ParameterServer
 from dtrain.config.experiment import ExperimentConfig
 from dtrain.config.gate import check_buildable, is_built
 from dtrain.config.ignored import IGNORED_KEYS
@@ -35,11 +35,10 @@ from dtrain.config.names import (
 from dtrain.config.profiling import Profiling
 from dtrain.config.training import CheckpointStorage, DataLoaderConfig, Reproducibility, Resources, Searcher
 
-__all__ = [
-    "COMPRESSION_OPTIONS", "CONFIG_OPTIMIZERS", "IGNORED_KEYS", "OPTIMIZER_OPTIONS", "BatchSizeSchedule",
-    "CheckpointStorage", "Compression", "CompressorName", "DataLoaderConfig", "Debug", "Decay", "DecayName",
-    "Distributed", "ExperimentConfig", "GrowBy", "Kill", "LargeBatch", "Length", "LoadedConfig", "OptimizerName",
-    "Optimizations", "ParameterServer", "ParameterServerMode", "Profiling", "QSGDNorm", "ReduceOp",
-    "Reproducibility", "Resources", "ScalingRule", "Searcher", "Section", "StrategyName", "apply_override",
-    "check_buildable", "dump_config", "is_built", "load_config", "parse_override", "read_yaml",
-]
+__all__ = ["COMPRESSION_OPTIONS", "CONFIG_OPTIMIZERS", "IGNORED_KEYS", "OPTIMIZER_OPTIONS", "BatchSizeSchedule",
+           "CheckpointStorage", "Compression", "CompressorName", "DataLoaderConfig", "Debug", "Decay", "DecayName",
+           "Distributed", "ExperimentConfig", "GrowBy", "Heterogeneous", "Kill", "LargeBatch", "Length",
+           "LoadedConfig", "LocalSGD", "OptimizerName", "Optimizations", "ParameterServer", "ParameterServerMode",
+           "Profiling", "QSGDNorm", "ReduceOp", "Reproducibility", "Resources", "ScalingRule", "Searcher", "Section",
+           "StrategyName", "apply_override", "check_buildable", "dump_config", "is_built", "load_config",
+           "parse_override", "read_yaml"]

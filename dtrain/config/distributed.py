@@ -113,12 +113,56 @@ class ParameterServer(Section):
         return self
 
 
+class LocalSGD(Section):
+    """Settings of strategy `local_sgd`: each rank steps on its own gradients and the replicas are averaged every
+    `period` updates (local SGD), after `warmup_steps` synchronous ones (post-local SGD), optionally with the
+    gradients averaged inside each node every update (hierarchical periods), or through an outer optimizer on
+    the averaged pseudo-gradient (DiLoCo)."""
+
+    period: int = Field(default=8, ge=1, description="H: average the replicas every H local updates")
+    warmup_steps: int = Field(default=0, ge=0, description="post-local SGD: the first updates are synchronous "
+                              "(gradients all-reduced every update) and local SGD starts after this many")
+    node_sync: bool = Field(default=False, description="hierarchical periods: during local SGD, average gradients "
+                            "inside each node every update and across nodes only every `period`")
+    average_buffers: bool = Field(default=True, description="average floating buffers (batch-norm statistics) at "
+                                  "each averaging round too")
+    outer_optimizer: Literal["none", "sgd", "nesterov"] = Field(
+        default="none", description="`none`: plain averaging; `sgd`/`nesterov`: DiLoCo, an outer SGD step on the "
+        "averaged pseudo-gradient (parameters at the last round - local parameters)")
+    outer_lr: float = Field(default=0.7, gt=0, description="DiLoCo's outer learning rate")
+    outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="DiLoCo's outer momentum")
+
+
+class Heterogeneous(Section):
+    """Per-rank batch sizes for workers of different speed: the global batch stays fixed and each rank's
+    gradient is weighted by its share (the loss-scaling contract), so the update is the full-batch gradient."""
+
+    split: Literal["auto"] | list[float] = Field(
+        default="auto", description="`auto`: shares proportional to each rank's measured records/s, calibrated in "
+        "the first `calibrate_steps` and re-balanced every `rebalance_every`; or one positive share per rank "
+        "(e.g. [3, 1]), scaled to the global batch")
+    calibrate_steps: int = Field(default=10, ge=2, description="auto: updates measured (even split) before the "
+                                 "first re-balance")
+    rebalance_every: int = Field(default=100, ge=1, description="auto: updates between later re-balances")
+    tolerance: float = Field(default=0.1, ge=0, description="auto: re-balance only when some rank's batch would "
+                             "change by more than this fraction")
+
+    @model_validator(mode="after")
+    def _positive_shares(self) -> Heterogeneous:
+        if isinstance(self.split, list) and (not self.split or any(share <= 0 for share in self.split)):
+            raise ValueError(f"distributed.heterogeneous.split {self.split} must be `auto` or one positive share "
+                             "per rank, e.g. [3, 1]")
+        return self
+
+
 class Distributed(Section):
     """How replicas stay consistent: the strategy, how gradients are combined, compression, timeouts."""
 
     strategy: StrategyName = Field(default="allreduce", description="how replicas stay consistent: `allreduce` "
-                                   "(torch DDP; dtrain's comm hook for op `sum`, `adasum` and compression) or "
-                                   "`parameter_server` (server processes hold the parameters)")
+                                   "(torch DDP; dtrain's comm hook for op `sum`, `adasum` and compression), "
+                                   "`parameter_server` (server processes hold the parameters), `local_sgd` "
+                                   "(periodic averaging, post-local SGD, DiLoCo) or `hierarchical` (all-reduce "
+                                   "inside each node, then between nodes)")
     parameter_server: ParameterServer = Field(default_factory=ParameterServer,
                                               description="settings of strategy `parameter_server`")
     op: ReduceOp = Field(default="average", description="how gradients are combined: `average` (the full-batch "
@@ -136,3 +180,9 @@ class Distributed(Section):
     find_unused_parameters: bool = Field(
         default=False, description="set true for models whose forward pass skips parameters in some steps or on "
         "some ranks; without it such a step stops at once with one line naming them")
+    local_sgd: LocalSGD = Field(default_factory=LocalSGD, description="settings of strategy `local_sgd`")
+    heterogeneous: Heterogeneous | None = Field(
+        default=None, description="per-rank batch sizes for workers of different speed (unset: an even split)")
+    network_interface: str | None = Field(
+        default=None, description="the network interface gloo uses between nodes (GLOO_SOCKET_IFNAME); unset: the "
+        "one that routes to the master address (`lo` on one machine)")

@@ -144,6 +144,28 @@ class ExperimentConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _uneven_clusters(self) -> ExperimentConfig:
+        d, world = self.distributed, self.resources.world_size
+        het = d.heterogeneous
+        if het is not None:
+            if d.strategy == "parameter_server":
+                raise ValueError("distributed.heterogeneous re-balances batches where all ranks meet every update; "
+                                 "strategy parameter_server paces ranks on its own: remove one of them")
+            if isinstance(het.split, list) and len(het.split) != world:
+                raise ValueError(f"distributed.heterogeneous.split has {len(het.split)} shares for "
+                                 f"resources.slots_per_trial {world} workers; give one share per rank or `auto`")
+            if self.global_batch_size < 2 * world:
+                raise ValueError(f"distributed.heterogeneous needs hyperparameters.global_batch_size "
+                                 f"({self.global_batch_size}) of at least 2 records per rank ({2 * world})")
+        if d.strategy in ("local_sgd", "hierarchical") and d.op != "average":
+            raise ValueError(f"distributed.strategy {d.strategy} averages; op `{d.op}` applies to strategy "
+                             "allreduce only: remove it")
+        if d.strategy == "hierarchical" and self.compression.name != "none":
+            raise ValueError("distributed.strategy hierarchical sends full-precision buckets; compression "
+                             f"`{self.compression.name}` applies to allreduce and local_sgd: remove it")
+        return self
+
+    @model_validator(mode="after")
     def _large_batch_rate(self) -> ExperimentConfig:
         lb = self.large_batch
         if lb.optimizer == "trial" or lb.base_lr is not None:

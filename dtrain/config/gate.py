@@ -10,9 +10,9 @@ from dtrain.errors import ConfigError
 
 # (dotted key, the values that work today, why the others are refused)
 NOT_BUILT_YET: list[tuple[str, tuple[Any, ...], str]] = [
-    ("distributed.strategy", ("allreduce", "parameter_server"),
-     "only the allreduce and parameter_server strategies are built so far"),
     ("optimizations.mixed_precision", ("O0",), "mixed precision is not built yet"),
+    ("distributed.heterogeneous", (None,), "per-rank batches for uneven workers are not built yet"),
+    ("distributed.network_interface", (None,), "choosing the network interface is not built yet"),
     ("searcher.name", ("single",), "a search runs through `dtrain run` (random and grid; docs/search.md), not "
      "inside one run"),
 ]

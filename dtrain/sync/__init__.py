@@ -21,6 +21,8 @@ from dtrain.sync.base import (
     TrainBatch,
     WireMetering,
 )
+from dtrain.sync.hierarchical import HierarchicalStrategy, build_hierarchical
+from dtrain.sync.local_sgd import LocalSGDStrategy, build_local_sgd
 from dtrain.sync.parameter_server import ParameterServerStrategy, build_parameter_server
 
 StrategyBuilder = Callable[[ExperimentConfig, Topology], SyncStrategy]
@@ -29,6 +31,8 @@ StrategyBuilder = Callable[[ExperimentConfig, Topology], SyncStrategy]
 REGISTRY: dict[str, StrategyBuilder] = {
     "allreduce": build_allreduce,
     "parameter_server": build_parameter_server,
+    "local_sgd": build_local_sgd,
+    "hierarchical": build_hierarchical,
 }
 
 
@@ -41,6 +45,7 @@ def build_strategy(config: ExperimentConfig, topology: Topology) -> SyncStrategy
     return builder(config, topology)
 
 
-__all__ = ["REGISTRY", "AllReduceStrategy", "AsynchronousPacing", "BucketObserving", "ComputePhases", "Consolidating",
-           "OptimizerWrapping", "OwnsCheckpointState", "ParameterServerStrategy", "ReportingMetrics",
-           "RunsForwardBackward", "StrategyBuilder", "SyncStrategy", "TrainBatch", "WireMetering", "build_strategy"]
+__all__ = ["REGISTRY", "AllReduceStrategy", "AsynchronousPacing", "BucketObserving", "ComputePhases",
+           "Consolidating", "HierarchicalStrategy", "LocalSGDStrategy", "OptimizerWrapping", "OwnsCheckpointState",
+           "ParameterServerStrategy", "ReportingMetrics", "RunsForwardBackward", "StrategyBuilder", "SyncStrategy",
+           "TrainBatch", "WireMetering", "build_strategy"]

@@ -227,11 +227,17 @@ class AllReduceStrategy:
         ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb_list=caps,  # type: ignore[arg-type]
                                       find_unused_parameters=self.find_unused_parameters,
                                       gradient_as_bucket_view=True, batched_grad_copy=True, init_sync=init_sync)
+        self._hooked = self._register_hook(ddp, model)
+        return ddp
+
+    def _register_hook(self, ddp: DistributedDataParallel, model: nn.Module) -> bool:
+        """Register dtrain's comm hook where DDP's own all-reduce will not do; True when one is registered (a
+        subclass may register another hook: `hierarchical`)."""
         # A timeline's bucket spans need a hook even for a plain average (dtrain's hook then does what DDP's
         # built-in all-reduce does, and times each bucket).
-        self._hooked = ((self._observer is not None and self._observe_per_bucket) or self.op != "average"
-                        or not isinstance(self.compressor, NoCompression))
-        if self._hooked:
+        hooked = ((self._observer is not None and self._observe_per_bucket) or self.op != "average"
+                  or not isinstance(self.compressor, NoCompression))
+        if hooked:
             trainable = [p for p in model.parameters() if p.requires_grad]
             positions = {id(p): index / max(len(trainable) - 1, 1) for index, p in enumerate(trainable)}
             state = HookState(self.op, compressor=self.compressor, parameter_positions=positions, wire=self._wire)
@@ -239,7 +245,7 @@ class AllReduceStrategy:
                 ddp.register_comm_hook(ObservedHookState(state, self._observer), observed_combine_bucket)
             else:
                 ddp.register_comm_hook(state, combine_bucket)
-        return ddp
+        return hooked
 
     def _tune_step(self) -> None:
         """Time the step that just ended; at the end of a visit agree on its time and move to the next size."""

@@ -266,8 +266,8 @@ def test_yaml_file_errors(tmp_path: Path) -> None:
 
 
 def test_unbuilt_features_are_refused_by_name() -> None:
-    config = load_config(None, raw=config_with(distributed={"strategy": "local_sgd"})).config
-    with pytest.raises(ConfigError, match="distributed.strategy"):
+    config = load_config(None, raw=config_with(optimizations={"mixed_precision": "O1"})).config
+    with pytest.raises(ConfigError, match="optimizations.mixed_precision"):
         check_buildable(config)
     check_buildable(load_config(None, raw=BASE).config)
 
