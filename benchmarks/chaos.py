@@ -7,7 +7,7 @@ with a checkpoint every 30. Two ways to kill (`--mode`):
 - `outside` (the default): a killer thread outside the run sends SIGKILL to a random worker process at random
   instants (seeded), spread over the clean run's duration, as the OOM killer or a lost machine would: the
   kill may land anywhere, in a step, a checkpoint write, a restart, an import.
-- `injected`: `debug.kills` at distinct random batches on random ranks, a quarter of them in the middle of a
+- `injected`: `faults.kills` at distinct random batches on random ranks, a quarter of them in the middle of a
   checkpoint write (rank 0, the writer). These hit two fixed code points only, but say exactly where.
 
 Either way the elastic agent restarts both workers, which resume from `checkpoints/latest`. The clean run
@@ -166,7 +166,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="clean/chaos rounds, alternating, each with its "
                         "own seed (default 3; 1 with --quick)")
     parser.add_argument("--mode", choices=("outside", "injected"), default="outside",
-                        help="SIGKILL workers from outside at random instants (default), or inject debug.kills at "
+                        help="SIGKILL workers from outside at random instants (default), or inject faults.kills at "
                              "random batches")
     parser.add_argument("--seed", type=int, default=8, help="seed of the first round's kill schedule")
     parser.add_argument("--quick", action="store_true", help="4 kills over 150 batches, a checkpoint every 20")
@@ -217,7 +217,7 @@ def main() -> None:
     def chaos(repeat: int) -> dict[str, Any]:
         run_dir = work / f"chaos-{repeat}"
         kills = draw_kills(args.kills, args.batches, args.seed + repeat)
-        code, seconds, stderr = run(run_dir, common + [f"debug.kills={json.dumps(kills)}"], timeout)
+        code, seconds, stderr = run(run_dir, common + [f"faults.kills={json.dumps(kills)}"], timeout)
         summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
         recomputed, rows = recomputed_steps(run_dir)
         kill_rows.extend({"round": repeat, **row} for row in rows)

@@ -1,6 +1,6 @@
 """A real slow worker: one rank's process in a cgroup (v1 `cpu` controller) whose CFS quota caps its CPU share.
 
-Unlike `debug.slow_rank` (a sleep), a quota takes CPU away for real: the process computes, communicates and
+Unlike `faults.slow_rank` (a sleep), a quota takes CPU away for real: the process computes, communicates and
 loads data more slowly, and the CPU it cannot use goes to the others, as on a cluster with an older machine.
 Needs root and the cgroup v1 `cpu` controller (mounted at /sys/fs/cgroup/cpu); `unavailable_reason()` says why
 not, so a benchmark can fall back to the sleep and say so.

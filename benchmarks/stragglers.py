@@ -3,8 +3,8 @@
 Five variants (1 server unless stated), all with the demo CNN, global batch 192 (64 per worker), SGD with Nesterov
 momentum and a one-cycle rate over the run, rank 2 made about 3x slower (`--straggler`): by default for real, its
 process put in a cgroup whose CPU quota leaves it 2/7 of a core while the other two share the rest
-(benchmarks/cpu_quota.py; root and the cgroup v1 cpu controller), else by `debug.slow_rank: 2` /
-`debug.slow_factor: 3` (a sleep, whose freed CPU helps the others on a 2-core machine; the result says which):
+(benchmarks/cpu_quota.py; root and the cgroup v1 cpu controller), else by `faults.slow_rank: 2` /
+`faults.slow_factor: 3` (a sleep, whose freed CPU helps the others on a 2-core machine; the result says which):
 allreduce sync, PS sync, PS sync with 1 backup worker, PS async, PS ssp (staleness 4). They run alternately
 (A B C D E, E D C B A, ...). Reported: time to the target accuracy (training wall time from the start of the
 loop, validations included, to the first validation at or above the target) and final accuracy; the headline
@@ -54,7 +54,7 @@ def run(overrides: list[str], run_dir: Path, epochs: float, validations_per_epoc
                 f"scheduling_unit={batches_per_epoch // validations_per_epoch}",
                 "min_checkpoint_period={batches: 0}", "checkpoint_policy=none", *overrides]
     if straggler and STRAGGLER["how"] == "sleep":
-        settings += [f"debug.slow_rank={SLOW_RANK}", f"debug.slow_factor={SLOW_FACTOR}"]
+        settings += [f"faults.slow_rank={SLOW_RANK}", f"faults.slow_factor={SLOW_FACTOR}"]
     from common import dtrain_run
     from cpu_quota import share_for_slowdown, slowed_rank
 
@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--validations-per-epoch", type=int, default=6, help="default 6")
     parser.add_argument("--straggler", choices=("cgroup", "sleep"), default="cgroup",
                         help="how rank 2 is slowed: a CPU quota (default; falls back to the sleep without root) or "
-                             "debug.slow_factor's sleep")
+                             "faults.slow_factor's sleep")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from cpu_quota import unavailable_reason
@@ -122,7 +122,7 @@ def main() -> None:
     STRAGGLER["how"] = "sleep" if fallback else args.straggler
     straggler_note = (f"a CPU quota of {SLOW_FACTOR}x less than the others' share (cgroup v1 cpu controller)"
                       if STRAGGLER["how"] == "cgroup" else
-                      "`debug.slow_factor` (a sleep)" + (f"; the CPU quota was not available: {fallback}"
+                      "`faults.slow_factor` (a sleep)" + (f"; the CPU quota was not available: {fallback}"
                                                           if fallback else ""))
     print(f"straggler: rank {SLOW_RANK}, {straggler_note}", flush=True)
     from common import alternate, machine_info, markdown_table, median, time_to, write_results

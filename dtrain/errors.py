@@ -14,7 +14,7 @@ class ExitCode(IntEnum):
     OK = 0  # training finished (or the command did what it was asked)
     FAILED = 1  # workers failed: a crash, a lost worker, a stalled collective
     USER_ERROR = 2  # a config, data, checkpoint, Trial or command-line error, or a diverged run
-    STOPPED = 3  # training stopped early (e.g. debug.stop_after_batch); resumable
+    STOPPED = 3  # training stopped early (e.g. faults.stop_after_batch); resumable
     INVALID_HP = 4  # the Trial rejected its hyperparameters (InvalidHP); a search moves on to the next trial
     INTERRUPTED = 130  # Ctrl-C or SIGTERM (128 + SIGINT, as shells report it); resumable
 

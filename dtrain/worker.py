@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _setup_logging(run_dir: Path, rank: int, name: str | None = None) -> None:
+def _setup_logging(run_dir: Path, rank: int, name: str | None = None, debug: bool = False) -> None:
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"{name or f'rank-{rank}'}.log"
@@ -44,7 +44,7 @@ def _setup_logging(run_dir: Path, rank: int, name: str | None = None) -> None:
     handler = logging.FileHandler(log_path)
     handler.setFormatter(logging.Formatter(f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
-    root.setLevel(logging.INFO)
+    root.setLevel(logging.DEBUG if debug else logging.INFO)
     root.addHandler(handler)
     if rank == 0:
         from dtrain.train.progress import ConsoleHandler
@@ -92,7 +92,7 @@ def run_worker(args: argparse.Namespace) -> int:
         if launch.local_rank == 0:
             prepare_run_dir(config, run_dir, loaded.base_dir, register=launch.node_rank == 0)
         barrier()
-    _setup_logging(run_dir, topology.rank)
+    _setup_logging(run_dir, topology.rank, debug=config.debug)
     if topology.is_chief:
         for warning in loaded.warnings if args.config is not None else []:
             logging.getLogger("dtrain").warning(warning)

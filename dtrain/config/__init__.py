@@ -5,15 +5,15 @@ Determined keys that configure its cluster (containers, pools, ...) are accepted
 classic experiment file runs unchanged; any other unknown key is rejected with the closest valid key.
 
 One module per job: `base` (strict sections, Length), a module per group of sections (`training`,
-`distributed`, `large_batch`, `profiling`, `debug`), `experiment` (the whole file), `names` (the names other
+`distributed`, `large_batch`, `profiling`, `faults`), `experiment` (the whole file), `names` (the names other
 packages implement), `ignored` (Determined's cluster keys), `loading` (YAML and `--set`), `messages` (the
 one-line errors), `gate` (features not built yet) and `reference` (docs/config-reference.md).
 """
 
 from dtrain.config.base import Length, Section
-from dtrain.config.debug import Debug, Kill
 from dtrain.config.distributed import Compression, Distributed, Heterogeneous, LocalSGD, Optimizations, ParameterServer
 from dtrain.config.experiment import ExperimentConfig
+from dtrain.config.faults import Faults, Kill
 from dtrain.config.gate import check_buildable, is_built
 from dtrain.config.ignored import IGNORED_KEYS
 from dtrain.config.large_batch import BatchSizeSchedule, Decay, LargeBatch
@@ -36,7 +36,7 @@ from dtrain.config.profiling import Profiling
 from dtrain.config.training import CheckpointStorage, DataLoaderConfig, Reproducibility, Resources, Searcher
 
 __all__ = ["COMPRESSION_OPTIONS", "CONFIG_OPTIMIZERS", "IGNORED_KEYS", "OPTIMIZER_OPTIONS", "BatchSizeSchedule",
-           "CheckpointStorage", "Compression", "CompressorName", "DataLoaderConfig", "Debug", "Decay", "DecayName",
+           "CheckpointStorage", "Compression", "CompressorName", "DataLoaderConfig", "Faults", "Decay", "DecayName",
            "Distributed", "ExperimentConfig", "GrowBy", "Heterogeneous", "Kill", "LargeBatch", "Length",
            "LoadedConfig", "LocalSGD", "OptimizerName", "Optimizations", "ParameterServer", "ParameterServerMode",
            "Profiling", "QSGDNorm", "ReduceOp", "Reproducibility", "Resources", "ScalingRule", "Searcher", "Section",

@@ -2,7 +2,7 @@
 
 A rule that a section's validator raises names the full key it is about at the start of its message
 (`distributed.compression.ratio (0.1) applies to ...`); only a section used in several places (Length) or
-inside a list (a debug kill) leaves the key out, and the message translator puts its location in front.
+inside a list (a fault-injection kill) leaves the key out, and the message translator puts its location in front.
 """
 
 from __future__ import annotations

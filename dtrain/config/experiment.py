@@ -8,8 +8,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from dtrain.config.base import DETERMINED_ONLY, Length, Section
-from dtrain.config.debug import Debug
 from dtrain.config.distributed import Compression, Distributed, Optimizations
+from dtrain.config.faults import Faults
 from dtrain.config.large_batch import LargeBatch
 from dtrain.config.profiling import Profiling
 from dtrain.config.training import CheckpointStorage, DataLoaderConfig, Reproducibility, Resources, Searcher
@@ -62,7 +62,8 @@ class ExperimentConfig(Section):
                                                                               "timeouts")
     large_batch: LargeBatch = Field(default_factory=LargeBatch, description="optimizer, LR scaling, warm-up, decay, "
                                                                             "batch-size schedule")
-    debug: Debug = Field(default_factory=Debug, description="faults to inject, early stop, synthetic data")
+    faults: Faults = Field(default_factory=Faults, description="faults to inject, early stop, synthetic data")
+    debug: bool = Field(default=False, description="Determined's debug flag: dtrain's workers log at DEBUG level")
 
     @field_validator("hyperparameters")
     @classmethod
@@ -94,9 +95,9 @@ class ExperimentConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _debug_ranks(self) -> ExperimentConfig:
+    def _fault_ranks(self) -> ExperimentConfig:
         world = self.resources.world_size
-        for key, rank in self.debug.ranks().items():
+        for key, rank in self.faults.ranks().items():
             if rank >= world:
                 raise ValueError(f"{key} ({rank}) must name a worker rank below resources.slots_per_trial "
                                  f"({world}); use 0..{world - 1}")

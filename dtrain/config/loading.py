@@ -95,9 +95,12 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = (), raw: dic
     """Read, override and validate an experiment config; raise `ConfigError` with one line on any problem."""
     source = Path(path) if path is not None else None
     data = copy.deepcopy(raw) if raw is not None else read_yaml(source)  # type: ignore[arg-type]
+    _refuse_old_fault_section(data, "")
     override_keys = []
     for text in overrides:
         key, value = parse_override(text)
+        if key.split(".")[0] == "debug" and "." in key:
+            _refuse_old_fault_section({"debug": {}}, f" (--set {key})")
         apply_override(data, key, value)
         override_keys.append(key)
     warnings = drop_ignored_keys(data)
@@ -106,6 +109,16 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = (), raw: dic
     except ValidationError as exc:
         raise ConfigError(explain(exc, override_keys)) from None
     return LoadedConfig(config=config, source=source, warnings=warnings + _remainder_warnings(config))
+
+
+def _refuse_old_fault_section(data: dict[str, Any], where: str) -> None:
+    """dtrain's fault injection was the `debug:` section; `debug` is now Determined's boolean, so a mapping
+    there is the old spelling and gets one line that says how to rename it."""
+    old = data.get("debug")
+    if isinstance(old, dict):
+        keys = ", ".join(sorted(old)) or "its keys"
+        raise ConfigError(f"the `debug:` section{where} is now called `faults:` (`debug` is Determined's boolean "
+                          f"flag); rename it, e.g. `faults: {{...}}` / `--set faults.<key>=...` ({keys})")
 
 
 def dump_config(config: ExperimentConfig) -> str:

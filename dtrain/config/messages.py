@@ -120,7 +120,7 @@ def _unknown_key(loc: list[str], value: Any) -> str:
 
 
 def _fields_at(path: list[str]) -> list[str]:
-    """The keys of the section at `path` (list indices, as in `debug.kills.0`, step into the list's items)."""
+    """The keys of the section at `path` (list indices, as in `faults.kills.0`, step into the list's items)."""
     model: Any = ExperimentConfig
     for part in path:
         if part.isdigit():

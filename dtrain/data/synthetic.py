@@ -50,7 +50,7 @@ def synthetic_like(sample: Sequence[torch.Tensor], num_records: int, seed: int =
 
 class ReplayDataset(Dataset):
     """A dataset of `length` records that cycles through a small in-memory pool (random data of the real data's
-    shapes): training on it costs no input pipeline at all, which is what `debug.synthetic_data` measures.
+    shapes): training on it costs no input pipeline at all, which is what `faults.synthetic_data` measures.
     Records keep the real records' structure: a tuple of fields (no `keys`), one tensor (`keys` None) or a dict of
     fields named by `keys`."""
 

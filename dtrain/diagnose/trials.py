@@ -37,7 +37,7 @@ def trial_plans(config: ExperimentConfig, steps: int) -> list[TrialPlan]:
     world = config.resources.world_size
     common = (f"searcher.max_length={{batches: {steps}}}", "min_validation_period={batches: 0}",
               "min_checkpoint_period={batches: 0}", "checkpoint_policy=none", "perform_initial_validation=false",
-              f"scheduling_unit={steps}", "debug.stop_after_batch=null", "max_restarts=0",
+              f"scheduling_unit={steps}", "faults.stop_after_batch=null", "max_restarts=0",
               "profiling.phase_timers=true", "profiling.enabled=false")
     one_slot = ["resources.slots_per_trial=1",
                 f"hyperparameters.global_batch_size={config.global_batch_size // world}", *_rank_zero_only(config)]
@@ -48,7 +48,7 @@ def trial_plans(config: ExperimentConfig, steps: int) -> list[TrialPlan]:
         no_communication += ["distributed.parameter_server.mode=sync", "distributed.parameter_server.backup_workers=0"]
     plans = [TrialPlan("configured", "as configured", common),
              TrialPlan("no_communication", f"aggregation_frequency {NO_COMMUNICATION_K}", (*common, *no_communication)),
-             TrialPlan("synthetic_data", "synthetic data of the same shapes", (*common, "debug.synthetic_data=true"))]
+             TrialPlan("synthetic_data", "synthetic data of the same shapes", (*common, "faults.synthetic_data=true"))]
     if world > 1:
         plans.append(TrialPlan("one_slot", "1 slot, same per-slot batch", (*common, *one_slot)))
     return plans
@@ -57,16 +57,16 @@ def trial_plans(config: ExperimentConfig, steps: int) -> list[TrialPlan]:
 def _rank_zero_only(config: ExperimentConfig) -> list[str]:
     """Overrides for a one-worker trial: its only worker is rank 0, so faults aimed at other ranks and parameter
     server backup workers go (a config that names a rank or a backup the trial lacks is refused)."""
-    debug, dropped = config.debug, []
+    faults, dropped = config.faults, []
     for key in ("slow_rank", "hang_rank"):
-        rank = getattr(debug, key)
+        rank = getattr(faults, key)
         if rank is not None and rank >= 1:
-            dropped.append(f"debug.{key}=null")
-    if debug.nan_rank is not None and debug.nan_rank >= 1:
-        dropped += ["debug.nan_rank=null", "debug.nan_batches=[]"]
-    kept = [kill.model_dump() for kill in debug.kills if kill.rank == 0]
-    if len(kept) < len(debug.kills):
-        dropped.append(f"debug.kills={json.dumps(kept)}")
+            dropped.append(f"faults.{key}=null")
+    if faults.nan_rank is not None and faults.nan_rank >= 1:
+        dropped += ["faults.nan_rank=null", "faults.nan_batches=[]"]
+    kept = [kill.model_dump() for kill in faults.kills if kill.rank == 0]
+    if len(kept) < len(faults.kills):
+        dropped.append(f"faults.kills={json.dumps(kept)}")
     if config.distributed.parameter_server.backup_workers:
         dropped.append("distributed.parameter_server.backup_workers=0")
     return dropped

@@ -21,7 +21,7 @@ from dtrain.runs.store import RunStore
 
 CONFIG_FILE, RUN_FILE, SUMMARY_FILE = "config.yaml", "run.json", "summary.json"
 # Config sections that may change between a run and its resumption.
-RESUMABLE_CHANGES = ("debug", "max_restarts", "nan_policy", "max_consecutive_nan_skips")
+RESUMABLE_CHANGES = ("faults", "debug", "max_restarts", "nan_policy", "max_consecutive_nan_skips")
 
 
 def runs_root() -> Path:

@@ -1,4 +1,4 @@
-"""Fault injection for tests and benchmarks, driven by the config's `debug:` section.
+"""Fault injection for tests and benchmarks, driven by the config's `faults:` section.
 
 The injector is a step callback (`dtrain.train.callbacks`): each injection point is a hook that runs at a
 fixed place in a step, so that a fault happens at the same step and on the same rank in every run
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain.config import Debug, Kill
+from dtrain.config import Faults, Kill
 from dtrain.errors import StallError
 from dtrain.train.callbacks import StepCallback
 
@@ -52,9 +52,9 @@ def read_fault_records(path: Path) -> list[dict[str, Any]]:
 
 @dataclass
 class FaultInjector(StepCallback):
-    """Applies the faults `debug` asks for on this rank; `record_path` is where fired kills are remembered."""
+    """Applies the faults `faults` asks for on this rank; `record_path` is where fired kills are remembered."""
 
-    debug: Debug
+    faults: Faults
     rank: int
     record_path: Path | None = None
     restart_count: int = 0
@@ -65,29 +65,29 @@ class FaultInjector(StepCallback):
     def __post_init__(self) -> None:
         fired = {record["index"] for record in read_fault_records(self.record_path)
                  if record.get("event") == "kill"} if self.record_path else set()
-        self._pending = [(i, kill) for i, kill in enumerate(self.debug.kills)
+        self._pending = [(i, kill) for i, kill in enumerate(self.faults.kills)
                          if kill.rank == self.rank and i not in fired]
 
     @property
     def armed(self) -> bool:
-        """True when `debug` asks for a fault on this rank (otherwise the Trainer need not call it at all)."""
-        return bool(self.slowed or self._pending or self.rank in (self.debug.hang_rank, self.debug.nan_rank))
+        """True when `faults` asks for a fault on this rank (otherwise the Trainer need not call it at all)."""
+        return bool(self.slowed or self._pending or self.rank in (self.faults.hang_rank, self.faults.nan_rank))
 
     # ------------------------------------------------------------------------------------- straggler
 
     @property
     def slowed(self) -> bool:
         """True when this rank is the configured straggler."""
-        return self.debug.slow_rank == self.rank and self.debug.slow_factor > 1.0
+        return self.faults.slow_rank == self.rank and self.faults.slow_factor > 1.0
 
     def _hang_if_asked(self, step: int) -> None:
-        """Hang before batch `debug.hang_at_step` on `debug.hang_rank`, as a stuck data loader or device would,
+        """Hang before batch `faults.hang_at_step` on `faults.hang_rank`, as a stuck data loader or device would,
         until `release` is set (the run gave up on this rank); then raise StallError."""
-        if self.debug.hang_rank != self.rank or step != self.debug.hang_at_step:
+        if self.faults.hang_rank != self.rank or step != self.faults.hang_at_step:
             return
         while not self.release.wait(0.05):
             pass
-        raise StallError(f"rank {self.rank} hung before batch {step} (debug.hang_rank) and was stopped because "
+        raise StallError(f"rank {self.rank} hung before batch {step} (faults.hang_rank) and was stopped because "
                          "the other ranks timed out waiting for it")
 
     def before_compute(self) -> float:
@@ -96,7 +96,7 @@ class FaultInjector(StepCallback):
         there is no measurement yet."""
         if not self.slowed or self._last_compute_seconds is None:
             return 0.0
-        delay = (self.debug.slow_factor - 1.0) * self._last_compute_seconds
+        delay = (self.faults.slow_factor - 1.0) * self._last_compute_seconds
         time.sleep(delay)
         return delay
 
@@ -108,7 +108,7 @@ class FaultInjector(StepCallback):
 
     def before_step(self, step: int) -> None:
         """SIGKILL this rank at the start of batch `step` if a pending kill asks for it; hang there if
-        `debug.hang_rank` asks for it."""
+        `faults.hang_rank` asks for it."""
         self._hang_if_asked(step)
         for index, kill in self._pending:
             if kill.during == "step" and kill.batch == step:
@@ -124,7 +124,7 @@ class FaultInjector(StepCallback):
     def _die(self, index: int, kill: Kill, steps_done: int) -> None:
         record = {"event": "kill", "index": index, "rank": self.rank, "batch": kill.batch, "during": kill.during,
                   "steps_done": steps_done, "restart": self.restart_count, "time": time.time()}
-        log.warning("debug.kills[%d]: killing rank %d with SIGKILL %s batch %d", index, self.rank,
+        log.warning("faults.kills[%d]: killing rank %d with SIGKILL %s batch %d", index, self.rank,
                     "in the checkpoint write after" if kill.during == "checkpoint" else "at the start of", kill.batch)
         if self.record_path is not None:
             self.record_path.parent.mkdir(parents=True, exist_ok=True)
@@ -143,13 +143,13 @@ class FaultInjector(StepCallback):
 
     def corrupt_gradients(self, step: int, model: nn.Module) -> bool:
         """Put a NaN into the first gradient of this rank after batch `step`'s backward pass (after the
-        gradients were synchronized, so only this rank sees it) if debug asks; True when it did."""
-        if self.debug.nan_rank != self.rank or step not in self.debug.nan_batches:
+        gradients were synchronized, so only this rank sees it) if `faults` asks; True when it did."""
+        if self.faults.nan_rank != self.rank or step not in self.faults.nan_batches:
             return False
         for parameter in model.parameters():
             if parameter.grad is not None:
                 with torch.no_grad():
                     parameter.grad.view(-1)[0] = float("nan")
-                log.info("debug.nan_batches: NaN put into a gradient of rank %d at batch %d", self.rank, step)
+                log.info("faults.nan_batches: NaN put into a gradient of rank %d at batch %d", self.rank, step)
                 return True
         return False

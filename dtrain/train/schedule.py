@@ -24,7 +24,7 @@ class Schedule:
     validation_period: Length
     checkpoint_period: Length
     report_every: int = 1  # scheduling_unit: batches between training reports
-    stop_after: int | None = None  # debug.stop_after_batch
+    stop_after: int | None = None  # faults.stop_after_batch
 
     def epoch_of(self, step: int) -> float:
         return float(self.plan.epoch_of(step))
@@ -43,7 +43,7 @@ class Schedule:
         return self._due(step, self.checkpoint_period, self.checkpoint_every) or step == self.total_batches
 
     def stop_requested(self, step: int) -> bool:
-        """True once `debug.stop_after_batch` is reached."""
+        """True once `faults.stop_after_batch` is reached."""
         return self.stop_after is not None and step >= self.stop_after
 
     def next_meeting(self, previous: int) -> int:
@@ -91,4 +91,4 @@ def resolve_schedule(config: ExperimentConfig, num_records: int, split: BatchSpl
                     data_batches_per_epoch=data_batches, validation_every=batches(config.min_validation_period),
                     checkpoint_every=batches(config.min_checkpoint_period), plan=plan,
                     validation_period=config.min_validation_period, checkpoint_period=config.min_checkpoint_period,
-                    report_every=config.scheduling_unit, stop_after=config.debug.stop_after_batch)
+                    report_every=config.scheduling_unit, stop_after=config.faults.stop_after_batch)

@@ -104,7 +104,7 @@ class Trainer:
             raise ValueError(f"batch_split has {len(split.per_rank)} ranks, the run {topology.world_size}")
         self.seed = config.reproducibility.experiment_seed
         self.channels_last = config.optimizations.memory_format == "channels_last"
-        self.faults = FaultInjector(config.debug, topology.rank, record_path=self.run_dir / "logs" / FAULTS_FILE,
+        self.faults = FaultInjector(config.faults, topology.rank, record_path=self.run_dir / "logs" / FAULTS_FILE,
                                     restart_count=topology.restart_count)
         self.callbacks = StepCallbacks([self.faults] if self.faults.armed else [])
         seed_everything(self.seed)  # identical initial weights on every rank
@@ -171,7 +171,7 @@ class Trainer:
 
     def _build_data(self) -> tuple[SizedDataset, SizedDataset]:
         train = check_dataset(self.trial.build_training_data(), "build_training_data")
-        if self.config.debug.synthetic_data:
+        if self.config.faults.synthetic_data:
             train = synthetic_replay(train)
         return train, check_dataset(self.trial.build_validation_data(), "build_validation_data")
 
@@ -381,7 +381,7 @@ class Trainer:
         return self.searcher.of(metrics)
 
     def _stop_reason(self, step: int, update: Update | None) -> str | None:
-        """"interrupted" (a signal) or "stopped" (debug.stop_after_batch) when training stops after this update."""
+        """"interrupted" (a signal) or "stopped" (faults.stop_after_batch) when training stops after this update."""
         if update is None or step == self.schedule.total_batches:
             return None
         if update.stop:
@@ -395,7 +395,7 @@ class Trainer:
             self.progress.note(f"{received.name if received else 'a signal'}: stopped after batch {step} with a "
                                "checkpoint; run the same command again to resume")
         else:
-            self.progress.note(f"stopped after batch {step} as debug.stop_after_batch asks; run the same "
+            self.progress.note(f"stopped after batch {step} as faults.stop_after_batch asks; run the same "
                                "command again to resume")
 
     # ------------------------------------------------------------------------------- start and end

@@ -140,9 +140,9 @@ def test_config_recipe_runs_with_the_promised_rate_and_batch(clean_large_batch_r
 
 def test_resume_mid_warmup_and_mid_phase_is_bitwise_identical(clean_large_batch_run: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "resumed"
-    first = dtrain("run", CONFIG, "--set", "debug.stop_after_batch=9", "--run-dir", run_dir)
+    first = dtrain("run", CONFIG, "--set", "faults.stop_after_batch=9", "--run-dir", run_dir)
     assert first.returncode == 3, first.stderr  # stopped inside the warm-up (epoch 9/22)
-    second = dtrain("run", CONFIG, "--set", "debug.stop_after_batch=49", "--run-dir", run_dir)
+    second = dtrain("run", CONFIG, "--set", "faults.stop_after_batch=49", "--run-dir", run_dir)
     assert second.returncode == 3, second.stderr  # stopped after the batch doubled, inside an aggregation phase
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-50"
     third = dtrain("run", CONFIG, "--run-dir", run_dir)

@@ -72,7 +72,7 @@ def test_same_config_and_seed_give_identical_model(clean_run: Path, tmp_path: Pa
 
 def test_stopped_run_resumes_bitwise_identical(clean_run: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "resumed"
-    stopped = dtrain("run", CONFIG, "--set", "debug.stop_after_batch=15", "--run-dir", run_dir)
+    stopped = dtrain("run", CONFIG, "--set", "faults.stop_after_batch=15", "--run-dir", run_dir)
     assert stopped.returncode == 3, stopped.stderr
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "stopped"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-15"
@@ -96,7 +96,7 @@ def test_auto_tuned_fusion_run_resumes_bitwise_identical(tmp_path: Path) -> None
     assert "auto-tuned, median step ms" in whole.stdout
     tuning = json.loads((tmp_path / "whole" / "summary.json").read_text())["strategy"]["fusion_tuning"]
     assert tuning["done"] and len(tuning["candidates"]) == 2 and len(tuning["visits"]) == 6
-    stopped = dtrain("run", CONFIG, *tuned, "--set", "debug.stop_after_batch=45", "--run-dir", tmp_path / "resumed")
+    stopped = dtrain("run", CONFIG, *tuned, "--set", "faults.stop_after_batch=45", "--run-dir", tmp_path / "resumed")
     assert stopped.returncode == 3, stopped.stderr
     before = json.loads((tmp_path / "resumed" / "summary.json").read_text())["strategy"]
     resumed = dtrain("run", CONFIG, *tuned, "--run-dir", tmp_path / "resumed")
@@ -213,10 +213,10 @@ def test_parameter_server_run_stops_resumes_and_reports(tmp_path: Path) -> None:
     settings = ["--set", "distributed.strategy=parameter_server", "--set", "distributed.parameter_server.servers=2",
                 "--set", "distributed.parameter_server.mode=ssp", "--set", "distributed.parameter_server.staleness=2",
                 "--set", "resources.slots_per_trial=3", "--set", "hyperparameters.global_batch_size=48",
-                "--set", "debug.slow_rank=2", "--set", "debug.slow_factor=3", "--set", "scheduling_unit=10"]
+                "--set", "faults.slow_rank=2", "--set", "faults.slow_factor=3", "--set", "scheduling_unit=10"]
     torchrun_env = {k: v for k, v in os.environ.items() if k != "DTRAIN_LAUNCHER"} | env
     stopped = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "5",
-                              "-m", "dtrain.worker", str(CONFIG), *settings, "--set", "debug.stop_after_batch=20",
+                              "-m", "dtrain.worker", str(CONFIG), *settings, "--set", "faults.stop_after_batch=20",
                               "--run-dir", str(run_dir)], capture_output=True, text=True, env=torchrun_env, timeout=240)
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-20"

@@ -34,7 +34,7 @@ CONFIGS = sorted((CORPUS / "configs").glob("*.yaml"))
 UNREADABLE = {"binary.yaml": "cannot be read (UnicodeDecodeError)"}
 
 
-# A resume records its invocation in the run's own config.yaml (debug keys may change) and run.json, and a
+# A resume records its invocation in the run's own config.yaml (fault keys may change) and run.json, and a
 # failed attempt appends to the logs; everything else must stay as it was.
 RUN_METADATA = {"config.yaml", "run.json"}
 
@@ -264,7 +264,7 @@ def one_worker_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A one-worker run stopped after batch 4 with its checkpoint, to be damaged by each case."""
     root = tmp_path_factory.mktemp("ckpt")
     config = _one_worker_config(root, min_checkpoint_period={"batches": 0})
-    code = worker.main([str(config), "--run-dir", str(root / "run"), "--set", "debug.stop_after_batch=4"])
+    code = worker.main([str(config), "--run-dir", str(root / "run"), "--set", "faults.stop_after_batch=4"])
     assert code == 0
     assert (root / "run" / "checkpoints" / "step-4").is_dir()
     return root
@@ -291,7 +291,7 @@ def test_corrupt_checkpoint_through_dtrain_run(tmp_path: Path) -> None:
     """The whole path: `dtrain run` on a run dir whose only checkpoint is corrupt stops with one line and
     exit code 2, without restarting the workers, and leaves the checkpoint as it was."""
     run_dir = tmp_path / "run"
-    stopped = dtrain("run", CONFIG, "--set", "debug.stop_after_batch=5", "--run-dir", run_dir)
+    stopped = dtrain("run", CONFIG, "--set", "faults.stop_after_batch=5", "--run-dir", run_dir)
     assert stopped.returncode == 3, stopped.stderr
     _flip_byte(ckpt.CheckpointRef(run_dir / "checkpoints" / "step-5", 5))
     before = snapshot(run_dir / "checkpoints")

@@ -42,7 +42,7 @@ SCENARIOS = {
 def test_killed_workers_restart_and_end_bitwise_identical(name: str, clean_model: bytes, tmp_path: Path) -> None:
     kills, resumed_from = SCENARIOS[name]
     run_dir = tmp_path / "run"
-    result = dtrain("run", CONFIG, "--set", f"debug.kills={kills}", "--set", "max_restarts=3", "--run-dir", run_dir)
+    result = dtrain("run", CONFIG, "--set", f"faults.kills={kills}", "--set", "max_restarts=3", "--run-dir", run_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     fired = fault_records(run_dir)
@@ -68,7 +68,7 @@ def test_ctrl_c_checkpoints_then_a_corrupt_checkpoint_falls_back(clean_model: by
     the current batch, write a checkpoint there and exit with 130. That checkpoint is then corrupted: the
     same command warns, resumes from the previous complete one and ends bitwise identical."""
     run_dir = tmp_path / "run"
-    slow = ["--set", "debug.slow_rank=1", "--set", "debug.slow_factor=60"]  # ~0.1 s per batch: time to interrupt
+    slow = ["--set", "faults.slow_rank=1", "--set", "faults.slow_factor=60"]  # ~0.1 s per batch: time to interrupt
     proc = subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", str(CONFIG), *slow, "--run-dir", str(run_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     latest = run_dir / "checkpoints" / "latest"

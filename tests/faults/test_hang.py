@@ -1,4 +1,4 @@
-"""An injected hang (`debug.hang_rank`) in a real 2-process run becomes, once the collective times out, one
+"""An injected hang (`faults.hang_rank`) in a real 2-process run becomes, once the collective times out, one
 error that names the stuck rank, the step and what it was doing; the stall warning names it earlier. (How long
 the wait took is not checked: on a loaded machine any figure is right.)"""
 
@@ -24,7 +24,7 @@ RAW: dict[str, Any] = {
     "resources": {"slots_per_trial": 2},
     "searcher": {"metric": "accuracy", "smaller_is_better": False, "max_length": {"batches": 8}},
     "distributed": {"timeout_seconds": TIMEOUT_SECONDS, "stall_warning_seconds": WARNING_SECONDS},
-    "debug": {"hang_rank": 1, "hang_at_step": HANG_AT_STEP},
+    "faults": {"hang_rank": 1, "hang_at_step": HANG_AT_STEP},
 }
 
 

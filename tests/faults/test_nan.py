@@ -13,7 +13,7 @@ from dtrain.comm import Topology
 from dtrain.config import load_config
 from tests.distributed.conftest import fixture_trainer, run_spawned  # the one spawn fixture's functions
 
-NAN_SETTINGS = ["nan_policy=skip", "debug.nan_rank=1", "debug.nan_batches=[3]", "searcher.max_length={batches: 5}"]
+NAN_SETTINGS = ["nan_policy=skip", "faults.nan_rank=1", "faults.nan_batches=[3]", "searcher.max_length={batches: 5}"]
 
 
 def test_nan_on_one_rank_skips_the_update_on_every_rank(tmp_path: Path) -> None:

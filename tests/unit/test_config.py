@@ -192,7 +192,7 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], str]] = [
     ("decay milestones unsorted", config_with(large_batch={"decay": {"name": "step", "milestones": [4, 2]}}),
      "large_batch.decay.milestones"),
     ("kill during checkpoint off rank 0",
-     config_with(debug={"kills": [{"rank": 1, "batch": 2, "during": "checkpoint"}]}), "debug.kills.0"),
+     config_with(faults={"kills": [{"rank": 1, "batch": 2, "during": "checkpoint"}]}), "faults.kills.0"),
 ]
 
 

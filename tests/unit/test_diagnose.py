@@ -33,17 +33,17 @@ def test_two_slots_get_four_trials_with_the_promised_overrides() -> None:
         assert trial.searcher.max_length.batches == 12 and trial.scheduling_unit == 12
         assert trial.min_validation_period.batches == 0 and trial.min_checkpoint_period.batches == 0
         assert trial.checkpoint_policy == "none" and trial.perform_initial_validation is False
-        assert trial.max_restarts == 0 and trial.debug.stop_after_batch is None
+        assert trial.max_restarts == 0 and trial.faults.stop_after_batch is None
         assert trial.profiling.phase_timers is True and trial.profiling.enabled is False
     configured = trials["configured"]
     assert (configured.resources.world_size, configured.global_batch_size) == (2, 64)
-    assert configured.optimizations.aggregation_frequency == 1 and not configured.debug.synthetic_data
+    assert configured.optimizations.aggregation_frequency == 1 and not configured.faults.synthetic_data
     assert trials["no_communication"].optimizations.aggregation_frequency == NO_COMMUNICATION_K == 1000
-    assert trials["synthetic_data"].debug.synthetic_data is True
+    assert trials["synthetic_data"].faults.synthetic_data is True
     one_slot = trials["one_slot"]
     assert one_slot.resources.world_size == 1 and one_slot.global_batch_size == 64 // 2  # same per-slot batch
     # each trial changes one thing against the configured one
-    for name, changed in [("no_communication", "optimizations"), ("synthetic_data", "debug"),
+    for name, changed in [("no_communication", "optimizations"), ("synthetic_data", "faults"),
                           ("one_slot", "resources")]:
         differ = {key for key, value in trials[name].model_dump().items() if configured.model_dump()[key] != value}
         assert differ == ({changed, "hyperparameters"} if name == "one_slot" else {changed}), name
@@ -57,31 +57,31 @@ def test_one_slot_gets_three_trials_and_an_uneven_batch_keeps_its_per_slot_size(
 
 
 @pytest.mark.parametrize("faults", [
-    ("debug.slow_rank=1", "debug.slow_factor=2"),
-    ("debug.hang_rank=1", "debug.hang_at_step=3"),
-    ("debug.nan_rank=1", "debug.nan_batches=[3]"),
-    ("debug.kills=[{rank: 1, batch: 5}, {rank: 0, batch: 7}]",),
+    ("faults.slow_rank=1", "faults.slow_factor=2"),
+    ("faults.hang_rank=1", "faults.hang_at_step=3"),
+    ("faults.nan_rank=1", "faults.nan_batches=[3]"),
+    ("faults.kills=[{rank: 1, batch: 5}, {rank: 0, batch: 7}]",),
 ])
 def test_faults_aimed_at_other_ranks_are_dropped_from_the_one_slot_trial(faults: tuple[str, ...]) -> None:
     config = load(*faults)
     plans = {plan.name: plan for plan in trial_plans(config, 10)}
     for name, plan in plans.items():
         trial = load(*faults, *plan.overrides)  # what `dtrain run --set` gets for this trial
-        ranks = trial.debug.ranks()
+        ranks = trial.faults.ranks()
         if name == "one_slot":
             assert all(rank == 0 for rank in ranks.values()), ranks
         else:
-            assert ranks == config.debug.ranks(), name  # the two-slot trials keep every fault
+            assert ranks == config.faults.ranks(), name  # the two-slot trials keep every fault
     one_slot = load(*faults, *plans["one_slot"].overrides)
-    assert [(kill.rank, kill.batch) for kill in one_slot.debug.kills] == [
-        (kill.rank, kill.batch) for kill in config.debug.kills if kill.rank == 0]
+    assert [(kill.rank, kill.batch) for kill in one_slot.faults.kills] == [
+        (kill.rank, kill.batch) for kill in config.faults.kills if kill.rank == 0]
 
 
 def test_faults_on_rank_zero_stay_in_the_one_slot_trial() -> None:
-    faults = ("debug.slow_rank=0", "debug.slow_factor=3", "debug.hang_rank=0")
+    faults = ("faults.slow_rank=0", "faults.slow_factor=3", "faults.hang_rank=0")
     [one_slot] = [p for p in trial_plans(load(*faults), 10) if p.name == "one_slot"]
     trial = load(*faults, *one_slot.overrides)
-    assert (trial.debug.slow_rank, trial.debug.slow_factor, trial.debug.hang_rank) == (0, 3.0, 0)
+    assert (trial.faults.slow_rank, trial.faults.slow_factor, trial.faults.hang_rank) == (0, 3.0, 0)
 
 
 @pytest.mark.parametrize("strategy", [

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtrain.config import Debug, load_config
+from dtrain.config import Faults, load_config
 from dtrain.errors import ConfigError, StallError, TrainingDiverged
 from dtrain.train import checkpoint as ckpt
 from dtrain.train import faults
@@ -22,7 +22,7 @@ from dtrain.train.guard import GracefulStop, UpdateGuard, Verdict, gradients_fin
 def test_straggler_sleeps_factor_minus_one_times_its_last_compute(monkeypatch: pytest.MonkeyPatch) -> None:
     slept: list[float] = []
     monkeypatch.setattr(faults.time, "sleep", slept.append)
-    injector = FaultInjector(Debug(slow_rank=1, slow_factor=3.0), rank=1)
+    injector = FaultInjector(Faults(slow_rank=1, slow_factor=3.0), rank=1)
     assert injector.before_compute() == 0.0  # nothing measured yet
     injector.after_compute(0.2)
     assert injector.before_compute() == pytest.approx(0.4)
@@ -33,29 +33,29 @@ def test_straggler_sleeps_factor_minus_one_times_its_last_compute(monkeypatch: p
 
 def test_other_ranks_and_factor_one_are_never_slowed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(faults.time, "sleep", lambda seconds: pytest.fail("slept"))
-    for injector in (FaultInjector(Debug(slow_rank=1, slow_factor=3.0), rank=0),
-                     FaultInjector(Debug(slow_rank=0, slow_factor=1.0), rank=0)):
+    for injector in (FaultInjector(Faults(slow_rank=1, slow_factor=3.0), rank=0),
+                     FaultInjector(Faults(slow_rank=0, slow_factor=1.0), rank=0)):
         injector.after_compute(0.5)
         assert injector.before_compute() == 0.0
 
 
 def test_slow_rank_outside_the_world_is_one_clear_error() -> None:
-    with pytest.raises(ConfigError, match=r"debug.slow_rank \(2\) must name a worker rank"):
+    with pytest.raises(ConfigError, match=r"faults.slow_rank \(2\) must name a worker rank"):
         load_config(None, raw={"entrypoint": "m:T", "hyperparameters": {"global_batch_size": 8},
                                "resources": {"slots_per_trial": 2}, "searcher": {"max_length": {"batches": 1}},
-                               "debug": {"slow_rank": 2, "slow_factor": 2}})
+                               "faults": {"slow_rank": 2, "slow_factor": 2}})
 
 
-def _kills(*kills: dict[str, object]) -> Debug:
-    return Debug.model_validate({"kills": list(kills)})
+def _kills(*kills: dict[str, object]) -> Faults:
+    return Faults.model_validate({"kills": list(kills)})
 
 
 def test_a_kill_fires_once_per_run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     killed: list[tuple[int, int]] = []
     monkeypatch.setattr(faults.os, "kill", lambda pid, sig: killed.append((pid, sig)))
     record = tmp_path / "logs" / faults.FAULTS_FILE
-    debug = _kills({"rank": 1, "batch": 3}, {"rank": 0, "batch": 3})
-    injector = FaultInjector(debug, rank=1, record_path=record, restart_count=0)
+    planned = _kills({"rank": 1, "batch": 3}, {"rank": 0, "batch": 3})
+    injector = FaultInjector(planned, rank=1, record_path=record, restart_count=0)
     injector.before_step(2)
     assert killed == []
     injector.before_step(3)
@@ -63,7 +63,7 @@ def test_a_kill_fires_once_per_run_dir(tmp_path: Path, monkeypatch: pytest.Monke
     [fired] = faults.read_fault_records(record)
     assert fired | {"time": 0} == {"event": "kill", "index": 0, "rank": 1, "batch": 3, "during": "step",
                                    "steps_done": 2, "restart": 0, "time": 0}
-    restarted = FaultInjector(debug, rank=1, record_path=record, restart_count=1)
+    restarted = FaultInjector(planned, rank=1, record_path=record, restart_count=1)
     restarted.before_step(3)  # the restarted rank passes batch 3 again: the kill is not repeated
     assert len(killed) == 1
 
@@ -97,9 +97,9 @@ def test_a_kill_in_a_checkpoint_write_leaves_latest_at_the_previous_one(tmp_path
 def test_nan_goes_into_one_gradient_of_the_named_rank_at_the_named_batches() -> None:
     model = torch.nn.Linear(3, 2)
     model(torch.ones(1, 3)).sum().backward()
-    injector = FaultInjector(Debug(nan_rank=1, nan_batches=[4]), rank=1)
+    injector = FaultInjector(Faults(nan_rank=1, nan_batches=[4]), rank=1)
     assert not injector.corrupt_gradients(3, model)
-    assert not FaultInjector(Debug(nan_rank=1, nan_batches=[4]), rank=0).corrupt_gradients(4, model)
+    assert not FaultInjector(Faults(nan_rank=1, nan_batches=[4]), rank=0).corrupt_gradients(4, model)
     assert injector.corrupt_gradients(4, model)
     assert not gradients_finite(model.parameters())
 
@@ -119,7 +119,7 @@ def _before_step_in_a_thread(injector: FaultInjector, step: int) -> tuple[thread
 
 
 def test_a_hang_blocks_until_released_then_raises() -> None:
-    injector = FaultInjector(Debug(hang_rank=1, hang_at_step=3), rank=1)
+    injector = FaultInjector(Faults(hang_rank=1, hang_at_step=3), rank=1)
     thread, raised = _before_step_in_a_thread(injector, 3)
     thread.join(0.15)
     assert thread.is_alive() and raised == []  # hung
@@ -127,35 +127,35 @@ def test_a_hang_blocks_until_released_then_raises() -> None:
     thread.join(2.0)
     assert not thread.is_alive()
     [error] = raised
-    assert str(error).startswith("rank 1 hung before batch 3 (debug.hang_rank) and was stopped")
+    assert str(error).startswith("rank 1 hung before batch 3 (faults.hang_rank) and was stopped")
     assert "\n" not in str(error)
 
 
-@pytest.mark.parametrize(("debug", "rank", "step"), [
-    (Debug(hang_rank=1, hang_at_step=3), 0, 3),  # another rank
-    (Debug(hang_rank=1, hang_at_step=3), 1, 2),  # another step
-    (Debug(hang_rank=1, hang_at_step=3), 1, 4),
-    (Debug(), 0, 1),  # no hang configured
+@pytest.mark.parametrize(("faults", "rank", "step"), [
+    (Faults(hang_rank=1, hang_at_step=3), 0, 3),  # another rank
+    (Faults(hang_rank=1, hang_at_step=3), 1, 2),  # another step
+    (Faults(hang_rank=1, hang_at_step=3), 1, 4),
+    (Faults(), 0, 1),  # no hang configured
 ])
-def test_a_hang_blocks_no_other_rank_or_step(debug: Debug, rank: int, step: int) -> None:
-    thread, raised = _before_step_in_a_thread(FaultInjector(debug, rank=rank), step)
+def test_a_hang_blocks_no_other_rank_or_step(faults: Faults, rank: int, step: int) -> None:
+    thread, raised = _before_step_in_a_thread(FaultInjector(faults, rank=rank), step)
     thread.join(2.0)
     assert not thread.is_alive() and raised == []
 
 
-@pytest.mark.parametrize(("debug", "message"), [
+@pytest.mark.parametrize(("faults", "message"), [
     ({"kills": [{"rank": 1, "batch": 5, "during": "checkpoint"}]}, "hits the checkpoint writer, rank 0"),
-    ({"kills": [{"rank": 2, "batch": 5}]}, r"debug.kills\[0\].rank \(2\) must name a worker rank"),
-    ({"nan_rank": 1}, "debug.nan_rank and debug.nan_batches go together"),
-    ({"nan_rank": 3, "nan_batches": [1]}, r"debug.nan_rank \(3\) must name a worker rank"),
-    ({"kills": [{"rank": 0, "batch": 0}]}, r"debug.kills.0.batch` = 0 must be >= 1"),
+    ({"kills": [{"rank": 2, "batch": 5}]}, r"faults.kills\[0\].rank \(2\) must name a worker rank"),
+    ({"nan_rank": 1}, "faults.nan_rank and faults.nan_batches go together"),
+    ({"nan_rank": 3, "nan_batches": [1]}, r"faults.nan_rank \(3\) must name a worker rank"),
+    ({"kills": [{"rank": 0, "batch": 0}]}, r"faults.kills.0.batch` = 0 must be >= 1"),
     ({"kills": [{"rank": 0, "batch": 5, "during": "save"}]}, "must be one of step, checkpoint"),
 ])
-def test_bad_fault_settings_are_one_clear_error(debug: dict[str, object], message: str) -> None:
+def test_bad_fault_settings_are_one_clear_error(faults: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, raw={"entrypoint": "m:T", "hyperparameters": {"global_batch_size": 8},
                                "resources": {"slots_per_trial": 2}, "searcher": {"max_length": {"batches": 1}},
-                               "debug": debug})
+                               "faults": faults})
 
 
 # ------------------------------------------------------------------------------- nan_policy and stops
@@ -238,3 +238,19 @@ def test_replica_digest_covers_parameters_not_batch_norm_statistics() -> None:
     with torch.no_grad():
         b[0].weight[0, 0] += 1e-6  # a weight that differs is caught
     assert model_digest(a) != model_digest(b)
+
+
+@pytest.mark.parametrize(("raw_debug", "overrides"), [({"slow_rank": 1}, []), (False, ["debug.slow_rank=1"])])
+def test_the_old_debug_section_is_one_line_naming_faults(raw_debug: object, overrides: list[str]) -> None:
+    raw = {"entrypoint": "m:T", "hyperparameters": {"global_batch_size": 4},
+           "resources": {"slots_per_trial": 2}, "searcher": {"max_length": {"batches": 2}}, "debug": raw_debug}
+    with pytest.raises(ConfigError, match=r"the `debug:` section.* is now called `faults:`") as caught:
+        load_config(None, overrides, raw=raw)
+    assert "\n" not in str(caught.value)
+
+
+def test_determined_debug_boolean_is_accepted() -> None:
+    raw = {"entrypoint": "m:T", "hyperparameters": {"global_batch_size": 4},
+           "searcher": {"max_length": {"batches": 2}}, "debug": True}
+    config = load_config(None, raw=raw).config
+    assert config.debug is True and config.faults.slow_rank is None

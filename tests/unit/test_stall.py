@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from dtrain.comm import stall
 from dtrain.comm.stall import Heartbeat, StallMonitor
-from dtrain.config import Debug
+from dtrain.config import Faults
 from dtrain.errors import StallError, TorchCompatibilityError
 from dtrain.profile.timers import PHASES, Activity
 from dtrain.train.faults import FaultInjector
@@ -156,7 +156,7 @@ def test_a_stall_is_logged_once_per_position(clock: Clock, caplog: pytest.LogCap
 def test_an_injected_hang_ends_when_another_rank_gives_up(clock: Clock) -> None:
     hung_activity = Rank(3, "data", NOW)
     zero, one = monitors(dist.HashStore(), Rank(3, "backward", NOW), hung_activity)
-    injector = FaultInjector(Debug(hang_rank=1, hang_at_step=3), rank=1)
+    injector = FaultInjector(Faults(hang_rank=1, hang_at_step=3), rank=1)
     injector.release = one.abort  # as the Trainer wires it
     raised: list[BaseException] = []
 
@@ -176,7 +176,7 @@ def test_an_injected_hang_ends_when_another_rank_gives_up(clock: Clock) -> None:
     thread.join(2.0)
     assert not thread.is_alive()
     [error] = raised
-    assert str(error).startswith("rank 1 hung before batch 3 (debug.hang_rank)")
+    assert str(error).startswith("rank 1 hung before batch 3 (faults.hang_rank)")
 
 
 def test_the_thread_beats_at_start_and_stops_promptly() -> None:

@@ -44,7 +44,7 @@ def test_new_run_dir_is_registered(runs_root: Path) -> None:
 def test_reopening_requires_the_same_config(tmp_path: Path) -> None:
     config = load_config(None, raw=RAW).config
     prepare_run_dir(config, tmp_path / "run", Path.cwd())
-    same = prepare_run_dir(load_config(None, ["debug.stop_after_batch=1"], raw=RAW).config, tmp_path / "run",
+    same = prepare_run_dir(load_config(None, ["faults.stop_after_batch=1"], raw=RAW).config, tmp_path / "run",
                            Path.cwd())
     assert same.resumed
     with pytest.raises(LaunchError, match=r"different config \(hyperparameters.global_batch_size: 8 -> 16\)"):

@@ -232,7 +232,7 @@ def test_a_core_only_strategy_trains_like_allreduce_with_the_default_behaviours(
 
 def test_a_core_only_strategy_resumes_bitwise(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     whole, _ = _train(tmp_path / "whole", RAW, CoreOnly(), monkeypatch)
-    stopped_raw = {**RAW, "debug": {"stop_after_batch": 6}}
+    stopped_raw = {**RAW, "faults": {"stop_after_batch": 6}}
     _, first = _train(tmp_path / "resumed", stopped_raw, CoreOnly(), monkeypatch)
     assert first["status"] == "stopped" and first["steps_completed"] == 6
     resumed, second = _train(tmp_path / "resumed", RAW, CoreOnly(), monkeypatch)
@@ -261,7 +261,7 @@ def test_every_extension_is_used_where_the_protocol_says(tmp_path: Path, monkeyp
     assert [step for step, _ in series["every_extension_reports"]] == [2, 4, 6, 8, 10, 12]
 
     resumed_strategy = EveryExtension()
-    stopped = {**RAW, "debug": {"stop_after_batch": 6}}
+    stopped = {**RAW, "faults": {"stop_after_batch": 6}}
     _train(tmp_path / "resumed", stopped, EveryExtension(), monkeypatch)
     _train(tmp_path / "resumed", RAW, resumed_strategy, monkeypatch)
     assert resumed_strategy.calls["load_model_state_dict"] == 1

@@ -1,4 +1,4 @@
-"""`debug.synthetic_data`'s replay dataset: as long as the real training data, records of the same structure,
+"""`faults.synthetic_data`'s replay dataset: as long as the real training data, records of the same structure,
 shapes and dtypes (so the Trial's code runs unchanged), batches equal to stacked records, and deterministic."""
 
 from __future__ import annotations

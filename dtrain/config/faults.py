@@ -1,4 +1,5 @@
-"""The `debug` section: faults to inject (crashes, stragglers, NaNs, hangs), an early stop, synthetic data.
+"""The `faults` section: faults to inject (crashes, stragglers, NaNs, hangs), an early stop, synthetic data.
+It was `debug:` until Determined's boolean `debug` took that name.
 `dtrain.train.faults` carries them out; the tests and `dtrain diagnose` use them to reproduce what goes wrong."""
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class Kill(Section):
         return self
 
 
-class Debug(Section):
+class Faults(Section):
     """Faults and shortcuts for tests, benchmarks and diagnosis; none is meant for a real run."""
 
     stop_after_batch: int | None = Field(default=None, ge=1, description="checkpoint and stop after this batch, as "
@@ -52,17 +53,17 @@ class Debug(Section):
                                  "against)")
 
     @model_validator(mode="after")
-    def _nan_pair(self) -> Debug:
+    def _nan_pair(self) -> Faults:
         if (self.nan_rank is None) != (not self.nan_batches):
-            raise ValueError("debug.nan_rank and debug.nan_batches go together (which rank, which batches); "
+            raise ValueError("faults.nan_rank and faults.nan_batches go together (which rank, which batches); "
                              "give both, e.g. `nan_rank: 1` and `nan_batches: [7]`, or neither")
         if any(batch < 1 for batch in self.nan_batches):
-            raise ValueError(f"debug.nan_batches {self.nan_batches} must be batch numbers >= 1")
+            raise ValueError(f"faults.nan_batches {self.nan_batches} must be batch numbers >= 1")
         return self
 
     def ranks(self) -> dict[str, int]:
         """Every rank this section names, by the key that names it."""
-        named = {"debug.slow_rank": self.slow_rank, "debug.nan_rank": self.nan_rank,
-                 "debug.hang_rank": self.hang_rank}
-        named.update({f"debug.kills[{i}].rank": kill.rank for i, kill in enumerate(self.kills)})
+        named = {"faults.slow_rank": self.slow_rank, "faults.nan_rank": self.nan_rank,
+                 "faults.hang_rank": self.hang_rank}
+        named.update({f"faults.kills[{i}].rank": kill.rank for i, kill in enumerate(self.kills)})
         return {key: rank for key, rank in named.items() if rank is not None}
