@@ -67,7 +67,8 @@ def test_every_strategy_the_config_accepts_is_registered() -> None:
 
 def test_an_unregistered_strategy_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sync.REGISTRY, "allreduce")
-    with pytest.raises(ValueError, match="strategy 'allreduce' is not built; registered: hierarchical, local_sgd, parameter_server"):
+    with pytest.raises(ValueError, match="strategy 'allreduce' is not built; registered: hierarchical, local_sgd, "
+                                         "parameter_server"):
         build_strategy(load_config(None, raw=copy.deepcopy(RAW)).config, ONE_PROCESS)
 
 
