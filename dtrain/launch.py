@@ -112,7 +112,9 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
     except ChildFailedError as exc:
         fatal = read_fatal(run_dir, run_id)
         if fatal is not None:
-            return LaunchResult(ExitCode.USER_ERROR, str(fatal["message"]))
+            code = fatal.get("exit_code", ExitCode.USER_ERROR)
+            return LaunchResult(ExitCode.INVALID_HP if code == ExitCode.INVALID_HP else ExitCode.USER_ERROR,
+                                str(fatal["message"]))
         return LaunchResult(ExitCode.FAILED, _describe_failure(exc, run_dir))
     return LaunchResult(ExitCode.OK)
 

@@ -102,10 +102,19 @@ def run_worker(args: argparse.Namespace) -> int:
                                             "the global batch is split over %d", topology.world_size,
                                             config.resources.world_size, topology.world_size)
     trial_class = load_trial_class(config.entrypoint, run_info.config_dir)
-    trainer = Trainer(config=config, trial_class=trial_class, topology=topology, run_info=run_info)
+    trainer = Trainer(config=config, trial_class=trial_class, topology=topology, run_info=run_info,
+                      stop_advisor=_search_advisor(run_dir))
     trainer.fit()
     barrier()
     return ExitCode.INTERRUPTED if trainer.status == "interrupted" else ExitCode.OK
+
+
+def _search_advisor(run_dir: Path) -> Any:
+    """The searcher's stop advisor when this run is a trial of a search (its run dir holds search-trial.json)."""
+    from dtrain.search.link import LinkAdvisor, SearchLink
+
+    link = SearchLink.from_run_dir(run_dir)
+    return LinkAdvisor(link) if link is not None else None
 
 
 def _lost_a_peer(exc: BaseException) -> bool:
@@ -138,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     earlier = read_fatal(args.run_dir)
     if earlier is not None:  # a restart after a user error: fail fast, the error will not go away
-        return ExitCode.USER_ERROR
+        return int(earlier.get("exit_code", ExitCode.USER_ERROR))  # type: ignore[call-overload]
     from torch.distributed.elastic.multiprocessing.errors import record
 
     @record
@@ -168,10 +177,10 @@ def main(argv: list[str] | None = None) -> int:
             rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
             logging.getLogger("dtrain").error("%s", exc, extra={"console": False})
             if args.run_dir.is_dir():
-                write_fatal(args.run_dir, str(exc), rank)
+                write_fatal(args.run_dir, str(exc), rank, exc.exit_code)
             if "DTRAIN_LAUNCHER" not in os.environ:  # `dtrain run` prints it from fatal-error.json itself
                 print(f"dtrain: error: {exc}", file=sys.stderr, flush=True)
-            return ExitCode.USER_ERROR
+            return exc.exit_code
 
     code = int(guarded() or ExitCode.OK)
     from dtrain.comm import shutdown_distributed

@@ -13,7 +13,9 @@ from dtrain.errors import ConfigError, ExitCode
 DESCRIPTION = ("Train the experiment a YAML file describes, with one worker process per slot "
                f"(resources.slots_per_trial). Exit code {ExitCode.OK} only when training finished; {ExitCode.FAILED} "
                f"when workers failed; {ExitCode.USER_ERROR} for a config, data, checkpoint or Trial error or a "
-               f"diverged run; {ExitCode.STOPPED} when stopped early (resumable); {ExitCode.INTERRUPTED} when "
+               f"diverged run; {ExitCode.STOPPED} when stopped early (resumable; a search's trial stopped by its "
+               f"searcher too); {ExitCode.INVALID_HP} when the Trial rejected its hyperparameters (InvalidHP); "
+               f"{ExitCode.INTERRUPTED} when "
                "interrupted (Ctrl-C or SIGTERM: the workers checkpoint after the batch they are on; resumable).")
 
 
@@ -38,10 +40,18 @@ def register(subcommands: Any) -> argparse.ArgumentParser:
     run.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                      help="c10d rendezvous endpoint shared by all nodes, instead of --node-rank/--master-*")
     run.add_argument("--rdzv-id", help="job id for the c10d rendezvous (default: dtrain-<name>)")
-    run.add_argument("--slots", type=int, help="a search (searcher random or grid): the slots this machine gives "
-                     "its trials (default: its cores); trials run side by side as the slots allow")
+    run.add_argument("--slots", type=int, help="a search (searcher random, grid, adaptive_asha or optuna): the slots "
+                     "this machine gives its trials (default: its cores); trials run side by side as the slots allow")
     run.add_argument("--search-dir", type=Path, help="a search: where the study and the trials' run dirs go "
                      "(default: runs/<name>-search/); the same dir resumes a stopped search")
+    run.add_argument("--storage", metavar="URL", help="a search: the Optuna study's RDB storage, e.g. "
+                     "sqlite:////shared/study.db or postgresql://user:pass@host/db; `dtrain run` on several machines "
+                     "with the same URL share one study, each running the trials it draws (default: sqlite "
+                     "study.db in the search dir)")
+    run.add_argument("--study", metavar="NAME", help="a search: the study's name in the storage (default: the "
+                     "experiment's name)")
+    run.add_argument("--experiment-id", type=int, help="register the run as a trial of this experiment in the run "
+                     "store instead of a new experiment (a search gives its trials its experiment)")
     run.set_defaults(handler=run_experiment)
     return run
 
@@ -58,9 +68,9 @@ def run_experiment(args: argparse.Namespace) -> int:
 
     if is_search(raw_config(args.config, args.overrides)):
         return _run_search(args)
-    if args.slots is not None or args.search_dir is not None:
-        raise ConfigError("--slots and --search-dir are for a search (searcher random or grid); this experiment's "
-                          "searcher is single: drop them")
+    if any(value is not None for value in (args.slots, args.search_dir, args.storage, args.study)):
+        raise ConfigError("--slots, --search-dir, --storage and --study are for a search (searcher random, grid, "
+                          "adaptive_asha or optuna); this experiment's searcher is single: drop them")
     loaded = load_config(args.config, args.overrides)
     config = loaded.config
     check_buildable(config)
@@ -70,14 +80,15 @@ def run_experiment(args: argparse.Namespace) -> int:
     load_trial_class(config.entrypoint, loaded.base_dir)  # a wrong entrypoint fails here, before any worker starts
     for warning in loaded.warnings:
         print(f"dtrain: warning: {warning}", file=sys.stderr)
-    info = prepare_run_dir(config, args.run_dir, loaded.base_dir, register=node.node_rank == 0)
+    info = prepare_run_dir(config, args.run_dir, loaded.base_dir, register=node.node_rank == 0,
+                           experiment_id=args.experiment_id)
     print(f"dtrain: run dir {info.run_dir}" + (" (resuming)" if info.resumed else ""), file=sys.stderr)
     started = time.time()
     result = launch_workers(info.run_dir, config, node)
     summary = read_summary(info.run_dir) or {}
     if result.exit_code != ExitCode.OK:
         print(f"dtrain: error: {result.message}", file=sys.stderr)
-        status = "interrupted" if result.exit_code == ExitCode.INTERRUPTED else "failed"
+        status = {ExitCode.INTERRUPTED: "interrupted", ExitCode.INVALID_HP: "invalid"}.get(result.exit_code, "failed")
         summary = {**summary, "status": status, "error": result.message}
         if node.node_rank == 0:
             write_json_atomic(info.run_dir / SUMMARY_FILE, summary)
@@ -85,7 +96,7 @@ def run_experiment(args: argparse.Namespace) -> int:
                 store = RunStore(info.store)
                 store.set_status(info.trial_id, status, summary)
                 store.close()
-        passed_on = (ExitCode.USER_ERROR, ExitCode.INTERRUPTED)
+        passed_on = (ExitCode.USER_ERROR, ExitCode.INVALID_HP, ExitCode.INTERRUPTED)
         return result.exit_code if result.exit_code in passed_on else ExitCode.FAILED
     if node.node_rank != 0:
         return ExitCode.OK
@@ -100,9 +111,10 @@ def _run_search(args: argparse.Namespace) -> int:
     from dtrain.runs.rundir import runs_root
     from dtrain.search.runner import SearchRunner, raw_config
 
-    if args.nnodes != 1 or args.rdzv_endpoint or args.run_dir:
+    if args.nnodes != 1 or args.rdzv_endpoint or args.run_dir or args.experiment_id is not None:
         raise ConfigError("a search runs each trial on this machine with its own run dir: drop --nnodes, "
-                          "--rdzv-endpoint and --run-dir (use --search-dir for where the trials go)")
+                          "--rdzv-endpoint, --run-dir and --experiment-id (use --search-dir for where the trials go, "
+                          "--storage to share the study with other machines)")
     raw = raw_config(args.config, args.overrides)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     slots = args.slots or cores
@@ -112,9 +124,10 @@ def _run_search(args: argparse.Namespace) -> int:
     search_dir = args.search_dir or runs_root() / f"{name}-search"
     overrides = [o for o in args.overrides if not o.startswith("searcher")]
     runner = SearchRunner(Path(args.config), overrides, raw, search_dir, slots,
-                          seed=int((raw.get("reproducibility") or {}).get("experiment_seed", 0)))
-    print(f"dtrain search: {runner.spec.name} search of {runner.total} trials, {runner.parallel} at once; "
-          f"search dir {search_dir}", flush=True)
+                          seed=int((raw.get("reproducibility") or {}).get("experiment_seed", 0)),
+                          storage=args.storage, study_name=args.study or name)
+    print(f"dtrain search: {runner.spec.name} search of {runner.total} trials, up to {runner.parallel} at once here; "
+          f"search dir {search_dir}; study {runner.study_name!r} in {runner.storage}", flush=True)
     return runner.run()
 
 

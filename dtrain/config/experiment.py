@@ -186,7 +186,7 @@ class ExperimentConfig(Section):
 
 
 def _constant_hparam(name: str, spec: Any) -> Any:
-    """Return the constant a hyperparameter stands for; search spaces need a searcher that does not exist yet."""
+    """Return the constant a hyperparameter stands for; a search space needs a search (dtrain.search runs it)."""
     if isinstance(spec, Mapping) and "type" in spec:
         kind = spec["type"]
         if kind == "const":
@@ -194,8 +194,8 @@ def _constant_hparam(name: str, spec: Any) -> Any:
                 raise ValueError(f"hyperparameters.{name} has `type: const` without `val`; add e.g. `val: 0.1`")
             return spec["val"]
         raise ValueError(f"hyperparameters.{name} has `type: {kind}`, a search space, but searcher `single` trains "
-                         "one trial: set searcher.name to random or grid to search it (`dtrain preview` shows the "
-                         f"plan), or give a constant, e.g. `{name.split('.')[-1]}: 0.1`")
+                         "one trial: set searcher.name to random, grid, adaptive_asha or optuna to search it "
+                         f"(`dtrain preview` shows the plan), or give a constant, e.g. `{name.split('.')[-1]}: 0.1`")
     if isinstance(spec, Mapping):
         return {key: _constant_hparam(f"{name}.{key}", value) for key, value in spec.items()}
     return spec

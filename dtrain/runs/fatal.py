@@ -1,9 +1,10 @@
 """The fatal-error file: how a worker tells the launcher that a run failed through the user's fault.
 
 A worker that meets a user error (bad data, a broken Trial) writes `fatal-error.json` into the run dir and
-exits with `ExitCode.USER_ERROR`. The launcher reads it to print that one line instead of a crash report,
-and a restarted worker that finds it fails at once instead of repeating the error. The record names the
-launch (torchrun's run id, Slurm's job id) so that an old record never stops a new launch.
+exits with `ExitCode.USER_ERROR` (`INVALID_HP` when the Trial rejected its hyperparameters). The launcher
+reads it to print that one line instead of a crash report, and a restarted worker that finds it fails at once
+instead of repeating the error. The record names the launch (torchrun's run id, Slurm's job id) so that an
+old record never stops a new launch.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ def read_fatal(run_dir: Path, launch: str | None = None) -> dict[str, object] | 
     return record if record.get("launch") == (launch or launch_id()) else None
 
 
-def write_fatal(run_dir: Path, message: str, rank: int) -> None:
-    """Record a user error of this launch; the first rank to record one keeps it."""
+def write_fatal(run_dir: Path, message: str, rank: int, exit_code: int = 2) -> None:
+    """Record a user error of this launch (and the exit code it ends the run with: 2, or 4 for a Trial's
+    InvalidHP); the first rank to record one keeps it."""
     path = run_dir / FATAL_FILE
     tmp = path.with_name(f".{FATAL_FILE}.{os.getpid()}")
-    tmp.write_text(json.dumps({"launch": launch_id(), "rank": rank, "message": message}))
+    tmp.write_text(json.dumps({"launch": launch_id(), "rank": rank, "message": message, "exit_code": int(exit_code)}))
     if not path.exists() or read_fatal(run_dir) is None:
         tmp.replace(path)
     else:

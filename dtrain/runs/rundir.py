@@ -24,6 +24,9 @@ CONFIG_FILE, RUN_FILE, SUMMARY_FILE = "config.yaml", "run.json", "summary.json"
 RESUMABLE_CHANGES = ("faults", "debug", "max_restarts", "nan_policy", "max_consecutive_nan_skips")
 
 
+SEARCH_LINK_FILE = "search-trial.json"  # a search writes it into a trial's run dir before the run starts
+
+
 def runs_root() -> Path:
     """Root of default run dirs and of the store: $DTRAIN_RUNS_ROOT or ./runs."""
     return Path(os.environ.get("DTRAIN_RUNS_ROOT", "runs"))
@@ -80,20 +83,24 @@ def _differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> 
     return found
 
 
-def prepare_run_dir(config: ExperimentConfig, run_dir: Path | None, config_dir: Path, *, register: bool = True
-                    ) -> RunInfo:
-    """Create or reopen a run dir; register a new run in the store when `register` (rank 0 / node 0 only)."""
+def prepare_run_dir(config: ExperimentConfig, run_dir: Path | None, config_dir: Path, *, register: bool = True,
+                    experiment_id: int | None = None) -> RunInfo:
+    """Create or reopen a run dir; register a new run in the store when `register` (rank 0 / node 0 only): a new
+    experiment, or a new trial of `experiment_id` (a search's)."""
     config_dir = config_dir.resolve()
     if run_dir is not None and (run_dir / CONFIG_FILE).is_file():
         return _reopen(config, run_dir, config_dir)
-    if run_dir is not None and run_dir.exists() and any(run_dir.iterdir()):
+    if run_dir is not None and run_dir.exists() and any(p.name != SEARCH_LINK_FILE for p in run_dir.iterdir()):
         raise LaunchError(f"--run-dir {run_dir} exists and is not empty but holds no dtrain run ({CONFIG_FILE} is "
                           "missing); give a new or empty directory")
     store: RunStore | None = None
-    experiment_id = trial_id = None
+    trial_id = None
     if register:
         store = RunStore(store_path())
-        experiment_id = store.create_experiment(config.name, config.description, dump_config(config))
+        if experiment_id is None or store.experiment(experiment_id) is None:
+            experiment_id = store.create_experiment(config.name, config.description, dump_config(config))
+    else:
+        experiment_id = None
     if run_dir is None:
         run_dir = runs_root() / _safe_name(config.name) / str(experiment_id)
     run_dir = run_dir.resolve()

@@ -29,6 +29,11 @@ def preview(raw: Mapping[str, Any]) -> str:
                      f"{spec.unit} in all")
         example = space.sample(random.Random(0))
         lines.append(f"first trial's hyperparameters (seed 0): {example}")
+    elif spec.name == "optuna":
+        total = len(space.grid()) if spec.sampler == "grid" else spec.max_trials
+        lines.append(f"Optuna sampler {spec.sampler}, pruner {spec.pruner}: {total} trials of at most "
+                     f"{spec.max_length} {spec.unit}, up to {spec.max_concurrent_trials or total} at once: at most "
+                     f"{total * spec.max_length} {spec.unit} in all (the pruner stops trials as they report)")
     elif spec.name == "grid":
         points = space.grid()
         lines.append(f"{len(points)} grid points, each trained for {spec.max_length} {spec.unit}: "

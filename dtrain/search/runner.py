@@ -1,68 +1,60 @@
-"""Running a `random` or `grid` search: every trial is an ordinary `dtrain run` of the experiment file (its own
-run dir, checkpoints, restarts, store entry, TensorBoard), given its hyperparameters and a `single` searcher by
-`--set`; up to `max_concurrent_trials` run at once, as many as the slots allow. Optuna keeps the study (each
-trial's parameters, state and result) in SQLite in the search dir, so a stopped search resumes: finished
-trials are not run again, and a trial that was running goes on from its checkpoint in its run dir.
+"""Running a search: every trial is an ordinary `dtrain run` of the experiment file (its own run dir, checkpoints,
+restarts, store entry, TensorBoard), given its hyperparameters and a `single` searcher by `--set`; up to
+`max_concurrent_trials` run at once, as many as this machine's slots allow.
 
-Optuna's `RandomSampler` draws the random search (log hyperparameters log-uniformly, which is Determined's
-`base ** uniform(minval, maxval)` for any base); a grid search queues Determined's grid points in the study.
+Optuna keeps the study (each trial's parameters, state, reported values) in RDB storage: SQLite in the search dir
+by default, or the `--storage` URL that several machines share, each running the trials it draws. Trials are
+counted in the study, so the search runs `max_trials` trials in all, wherever they run. A stopped search resumes:
+finished trials are not run again, and a trial whose runner is gone (Ctrl-C, a killed process, a lost machine: its
+heartbeat in the study stops) is taken over and goes on from its checkpoint in its run dir.
+
+Adaptive ASHA and Optuna's pruners stop trials from inside the trial (dtrain.search.link): the runner tells each
+trial its rule in `search-trial.json` and reads the outcome back from the study. A trial that rejects its
+hyperparameters (InvalidHP, exit code 4) is recorded as invalid and another one is drawn in its place.
 """
 
 from __future__ import annotations
 
 import copy
-import itertools
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dtrain.errors import ConfigError, ExitCode
+from dtrain.search import asha
+from dtrain.search.link import BRACKET, INVALID, STOPPED, LinkRecord, make_pruner
+from dtrain.search.progress import SearchProgress
 from dtrain.search.space import Space
 from dtrain.search.spec import SearchSpec, parse_searcher
+from dtrain.search.study import open_study, suggest, total_trials
 
 STUDY_FILE = "study.db"
+SEARCH_FILE = "search.json"
+OWNER, HEARTBEAT, RUN_DIR = "owner", "heartbeat", "run_dir"
+HEARTBEAT_SECONDS = 10.0
+GRACE_SECONDS = 60.0  # a trial whose runner has not beaten for this long (on another machine) is taken over
 
 
 @dataclass
 class Running:
     number: int
-    trial: Any  # optuna.trial.Trial
+    trial_id: int
     process: subprocess.Popen[str]
     run_dir: Path
+    started: float = field(default_factory=time.time)
 
 
-def suggest(space: Space, trial: Any) -> dict[str, Any]:
-    """A trial's values for the searchable hyperparameters (dotted names), through Optuna's suggest API."""
-    values: dict[str, Any] = {}
-    for p in space.searchable:
-        if p.kind == "int":
-            values[p.name] = trial.suggest_int(p.name, int(p.minval), int(p.maxval))
-        elif p.kind == "double":
-            values[p.name] = trial.suggest_float(p.name, p.minval, p.maxval)
-        elif p.kind == "log":
-            values[p.name] = trial.suggest_float(p.name, p.base ** p.minval, p.base ** p.maxval, log=True)
-        else:
-            values[p.name] = trial.suggest_categorical(p.name, list(p.vals))
-    return values
-
-
-def grid_points(space: Space) -> list[dict[str, Any]]:
-    """Every point of Determined's grid over the searchable hyperparameters (dotted names), first varying slowest.
-    They are queued in the study (Optuna's GridSampler stops the study from inside `tell`, which the ask-and-tell
-    loop of a search cannot use)."""
-    searchable = [p for p in space.searchable]
-    return [dict(zip((p.name for p in searchable), values, strict=True))
-            for values in itertools.product(*(p.grid() for p in searchable))]
-
-
-def trial_settings(space: Space, params: Mapping[str, Any], spec: SearchSpec) -> list[str]:
-    """The `--set` overrides that make the experiment file one trial: constants and a `single` searcher."""
+def trial_settings(params: Mapping[str, Any], spec: SearchSpec) -> list[str]:
+    """The `--set` overrides that make the experiment file one trial: its hyperparameters and a `single` searcher
+    that trains to max_length (adaptive ASHA and Optuna: max_time in time_metric units)."""
     settings = [f"hyperparameters.{name}={json.dumps(value)}" for name, value in params.items()]
     searcher = {"name": "single", "metric": spec.metric, "smaller_is_better": spec.smaller_is_better,
                 "max_length": {spec.unit: spec.max_length}}
@@ -78,73 +70,214 @@ def metric_of(summary: Mapping[str, Any], metric: str) -> float | None:
     return None
 
 
+def owner_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def orphaned(trial: Any, me: str, now: float) -> bool:
+    """Whether a RUNNING trial has no live runner: its runner was on this machine and is gone, or its heartbeat is
+    older than GRACE_SECONDS."""
+    owner = str(trial.user_attrs.get(OWNER, ""))
+    if owner == me:
+        return False
+    host, _, pid = owner.rpartition(":")
+    if host == socket.gethostname() and pid.isdigit():
+        return not _alive(int(pid))
+    beat = trial.user_attrs.get(HEARTBEAT)
+    if beat is None:
+        started = trial.datetime_start.timestamp() if trial.datetime_start else now
+        return now - started > GRACE_SECONDS
+    return now - float(beat) > GRACE_SECONDS
+
+
 class SearchRunner:
-    """One process's share of a search: draws trials from the study and runs them until it is done."""
+    """One process's share of a search: draws trials from the study and runs them until the search is done."""
 
     def __init__(self, config: Path, overrides: list[str], raw: Mapping[str, Any], search_dir: Path, slots: int,
-                 seed: int = 0) -> None:
-        self.config, self.overrides, self.search_dir = config, overrides, search_dir
+                 seed: int = 0, storage: str | None = None, study_name: str = "search") -> None:
+        self.config, self.overrides, self.search_dir = config, overrides, search_dir.resolve()
         self.spec = parse_searcher(raw["searcher"])
-        if self.spec.name not in ("random", "grid"):
-            raise ConfigError(f"searcher `{self.spec.name}`: running it is not built yet (random and grid are); "
-                              "`dtrain preview` shows its plan")
         self.space = Space.parse(raw.get("hyperparameters") or {})
         per_trial = int((raw.get("resources") or {}).get("slots_per_trial", 1))
         if per_trial > slots:
             raise ConfigError(f"a trial needs {per_trial} slots (resources.slots_per_trial) but --slots is {slots}")
         self.parallel = max(1, min(slots // per_trial, self.spec.max_concurrent_trials or slots))
-        self.total = len(self.space.grid()) if self.spec.name == "grid" else self.spec.max_trials
+        self.total = total_trials(self.spec, self.space)
+        if self.total < 1:
+            raise ConfigError("the search has no trials to run: give searcher.max_trials >= 1")
         self.seed = seed
+        self.storage = storage or f"sqlite:///{self.search_dir / STUDY_FILE}"
+        self.study_name = study_name
+        self.brackets = (asha.plan(self.spec.max_trials, self.spec.max_length, self.spec.divisor, self.spec.max_rungs,
+                                   self.spec.mode, self.spec.max_concurrent_trials,
+                                   list(self.spec.bracket_rungs) or None)
+                         if self.spec.name == "adaptive_asha" else [])
+        self.me = owner_id()
+        self.progress = SearchProgress(self.spec, self.total)
 
-    def _study(self) -> Any:
+    # ------------------------------------------------------------------------------------- rules
+
+    def _pruning_rule(self) -> dict[str, Any]:
+        if self.spec.name != "optuna" or self.spec.pruner == "none":
+            return {"kind": "none"}
+        rungs = asha.bracket_rungs("aggressive", self.spec.max_rungs, self.spec.max_length, self.spec.max_trials,
+                                   self.spec.divisor)[0]
+        first = asha.rung_units(self.spec.max_length, self.spec.divisor, rungs)[0]
+        return {"kind": "optuna", "pruner": self.spec.pruner, "min_time": first, "max_time": self.spec.max_length,
+                "divisor": self.spec.divisor}
+
+    def _rule(self, bracket: int | None) -> dict[str, Any]:
+        if self.spec.name == "adaptive_asha" and bracket is not None:
+            return {"kind": "asha", "bracket": bracket, "divisor": self.spec.divisor,
+                    "rungs": list(self.brackets[bracket].units)}
+        return self._pruning_rule()
+
+    def _next_bracket(self, trials: list[Any]) -> int | None:
+        """Adaptive ASHA: the bracket a new trial joins, the first (most early stopping) that has trials left and
+        room under its share of concurrency, else the first with trials left."""
+        if not self.brackets:
+            return None
         import optuna
 
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-        self.search_dir.mkdir(parents=True, exist_ok=True)
-        study = optuna.create_study(storage=f"sqlite:///{self.search_dir / STUDY_FILE}", study_name="search",
-                                    sampler=optuna.samplers.RandomSampler(seed=self.seed), load_if_exists=True,
-                                    direction="minimize" if self.spec.smaller_is_better else "maximize")
-        if self.spec.name == "grid" and not study.get_trials(deepcopy=False):
-            for point in grid_points(self.space):  # queued once, in the study: a resumed search takes the rest
-                study.enqueue_trial(point)
-        return study
+        counted = [t for t in trials if not t.user_attrs.get(INVALID) and BRACKET in t.user_attrs]
+        created = [sum(1 for t in counted if t.user_attrs[BRACKET] == i) for i in range(len(self.brackets))]
+        live = [sum(1 for t in counted if t.user_attrs[BRACKET] == i and t.state == optuna.trial.TrialState.RUNNING)
+                for i in range(len(self.brackets))]
+        open_ = [i for i, b in enumerate(self.brackets) if created[i] < b.max_trials]
+        for i in open_:
+            if live[i] < self.brackets[i].max_concurrent_trials:
+                return i
+        return open_[0] if open_ else 0
 
-    def _start(self, study: Any, trial: Any) -> Running:
-        params = suggest(self.space, trial)
-        run_dir = Path(trial.user_attrs.get("run_dir") or self.search_dir / f"trial-{trial.number}")
-        trial.set_user_attr("run_dir", str(run_dir))
+    # ------------------------------------------------------------------------------------- trials
+
+    def _experiment_id(self) -> int | None:
+        """The search's experiment in this machine's run store (each trial a trial of it), made once."""
+        from dtrain.runs.rundir import store_path
+        from dtrain.runs.store import RunStore
+
+        self.search_dir.mkdir(parents=True, exist_ok=True)
+        path = self.search_dir / SEARCH_FILE
+        known = json.loads(path.read_text()) if path.is_file() else {}
+        if known.get("experiment_id") is not None:
+            return int(known["experiment_id"])
+        store = RunStore(store_path())
+        config_text = self.config.read_text() if self.config.is_file() else ""
+        name = f"{self.study_name} ({self.spec.name} search)"
+        experiment_id = store.create_experiment(name, f"search dir {self.search_dir}", config_text)
+        store.close()
+        path.write_text(json.dumps({"experiment_id": experiment_id, "storage": self.storage,
+                                    "study_name": self.study_name}))
+        return experiment_id
+
+    def _start(self, study: Any, trial: Any, params: Mapping[str, Any], experiment_id: int | None) -> Running:
+        number = trial.number
+        run_dir = self.search_dir / str(trial.user_attrs.get(RUN_DIR) or f"trial-{number}")
+        trial.set_user_attr(RUN_DIR, run_dir.name)
+        trial.set_user_attr(OWNER, self.me)
+        trial.set_user_attr(HEARTBEAT, time.time())
+        LinkRecord(storage=self.storage, study_name=self.study_name, trial_id=trial._trial_id, trial_number=number,
+                   metric=self.spec.metric, smaller_is_better=self.spec.smaller_is_better, time_metric=self.spec.unit,
+                   max_time=self.spec.max_length, rule=self._rule(trial.user_attrs.get(BRACKET))).write(run_dir)
         command = [sys.executable, "-m", "dtrain.cli", "run", str(self.config), "--run-dir", str(run_dir)]
-        for setting in [*self.overrides, *trial_settings(self.space, params, self.spec)]:
+        if experiment_id is not None:
+            command += ["--experiment-id", str(experiment_id)]
+        for setting in [*self.overrides, *trial_settings(params, self.spec)]:
             command += ["--set", setting]
         logs = self.search_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        log = open(logs / f"trial-{trial.number}.log", "a")  # noqa: SIM115 - the child holds it; closed at exit
-        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
-        print(f"dtrain search: trial {trial.number} started ({shown})", flush=True)
+        log = open(logs / f"trial-{number}.log", "a")  # noqa: SIM115 - the child holds it; closed at exit
+        self.progress.started(number, params, trial.user_attrs.get(BRACKET), resumed=(run_dir / "checkpoints").is_dir())
         # a session of its own: a terminal's Ctrl-C reaches the search alone, which passes it on once
-        return Running(trial.number, trial, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                                              text=True, start_new_session=True), run_dir)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        log.close()
+        return Running(number, trial._trial_id, process, run_dir)
 
-    def _finish(self, study: Any, running: Running) -> dict[str, Any]:
+    def _new_trial(self, study: Any, trials: list[Any], experiment_id: int | None) -> Running:
+        trial = study.ask()
+        params = suggest(self.space, trial)
+        bracket = self._next_bracket(trials)
+        if bracket is not None:
+            trial.set_user_attr(BRACKET, bracket)
+        return self._start(study, trial, params, experiment_id)
+
+    def _adopt(self, study: Any, frozen: Any, experiment_id: int | None) -> Running:
         import optuna
 
+        trial = optuna.trial.Trial(study, frozen._trial_id)
+        return self._start(study, trial, dict(frozen.params), experiment_id)
+
+    def _finish(self, study: Any, storage: Any, running: Running, interrupted: bool) -> None:
+        """Record how a trial's process ended: completed, stopped early by the searcher, invalid, errored; an
+        interrupted trial stays RUNNING, to be resumed."""
+        import optuna
+
+        from dtrain.runs.fatal import FATAL_FILE
+
         code = running.process.returncode
+        frozen = storage.get_trial(running.trial_id)
+        if frozen.state.is_finished():
+            return
+        trial = optuna.trial.Trial(study, running.trial_id)
         summary_file = running.run_dir / "summary.json"
         summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
-        value = metric_of(summary, self.spec.metric) if code == 0 else None
-        state = optuna.trial.TrialState.COMPLETE if value is not None else optuna.trial.TrialState.FAIL
-        study.tell(running.trial, value if value is not None else None, state=state)
-        how = f"{self.spec.metric} {value:.4f}" if value is not None else f"failed (exit code {code}; log: " \
-            f"{self.search_dir / 'logs' / f'trial-{running.number}.log'})"
-        print(f"dtrain search: trial {running.number} ended: {how}", flush=True)
-        return {"trial": running.number, "value": value, "exit_code": code}
+        trial.set_user_attr("batches_trained", int(summary.get("steps_completed") or 0))
+        trial.set_user_attr("epochs_trained", float(summary.get("epochs_completed") or 0.0))
+        if code == ExitCode.INTERRUPTED and interrupted:
+            return
+        stopped = frozen.user_attrs.get(STOPPED) or summary.get("stopped_by_searcher")
+        if code == ExitCode.INVALID_HP:
+            fatal_file = running.run_dir / FATAL_FILE
+            message = json.loads(fatal_file.read_text()).get("message", "") if fatal_file.is_file() else ""
+            trial.set_user_attr(INVALID, message or "InvalidHP")
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            self.progress.ended(running.number, "invalid", message)
+        elif stopped and code in (ExitCode.OK, ExitCode.STOPPED):
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+            self.progress.ended(running.number, "stopped", str(stopped), summary.get("steps_completed"))
+        elif code == ExitCode.OK and summary.get("status") == "completed":
+            value = metric_of(summary, self.spec.metric)
+            if value is None:
+                trial.set_user_attr("error", f"no validation metric `{self.spec.metric}` in the summary")
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                self.progress.ended(running.number, "errored", f"no metric {self.spec.metric}")
+            else:
+                best = frozen.user_attrs.get("best_metric")
+                better = best is None or (value < best if self.spec.smaller_is_better else value > best)
+                if better:
+                    trial.set_user_attr("best_metric", value)
+                study.tell(trial, value)
+                self.progress.ended(running.number, "completed", f"{self.spec.metric} {value:.4f}",
+                                    summary.get("steps_completed"))
+        else:
+            log = self.search_dir / "logs" / f"trial-{running.number}.log"
+            trial.set_user_attr("error", f"exit code {code}")
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            self.progress.ended(running.number, "errored", f"exit code {code}; log: {log}")
+
+    # ------------------------------------------------------------------------------------- the loop
 
     def run(self) -> int:
         import optuna
 
-        study = self._study()
+        experiment_id = self._experiment_id()
+        storage = optuna.storages.RDBStorage(self.storage)
+        study = open_study(self.storage, self.study_name, self.spec, self.space, self.seed,
+                           make_pruner(self._pruning_rule()))
+        # a fresh storage object per call keeps the study's view current across processes
         running: list[Running] = []
         interrupted = False
+        last_beat = 0.0
 
         def stop(signum: int, frame: Any) -> None:
             nonlocal interrupted
@@ -152,51 +285,73 @@ class SearchRunner:
 
         previous = signal.signal(signal.SIGINT, stop)
         try:
-            for left in [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.RUNNING]:
-                # a trial a stopped search left running: run it again in its run dir, from its checkpoint
-                optuna.trial.Trial(study, left._trial_id).set_user_attr("superseded", True)
-                study.tell(left.number, state=optuna.trial.TrialState.FAIL)
-                study.enqueue_trial(left.params, user_attrs={"run_dir": left.user_attrs.get("run_dir")})
             while True:
-                done = [t for t in study.get_trials(deepcopy=False)
-                        if t.state.is_finished() and not t.user_attrs.get("superseded")]
-                started = len(done) + len(running)
-                while not interrupted and len(running) < self.parallel and started < self.total:
-                    running.append(self._start(study, study.ask()))
-                    started += 1
+                trials = study.get_trials(deepcopy=False)
+                mine = {r.trial_id for r in running}
+                if not interrupted:
+                    now = time.time()
+                    for frozen in trials:
+                        if len(running) >= self.parallel:
+                            break
+                        if (frozen.state == optuna.trial.TrialState.RUNNING and frozen._trial_id not in mine
+                                and orphaned(frozen, self.me, now)):
+                            running.append(self._adopt(study, frozen, experiment_id))
+                    while len(running) < self.parallel and self._left(trials) > 0:
+                        running.append(self._new_trial(study, trials, experiment_id))
+                        trials = study.get_trials(deepcopy=False)
                 if not running:
                     break
                 time.sleep(0.5)
+                if time.time() - last_beat > HEARTBEAT_SECONDS:
+                    last_beat = time.time()
+                    for item in running:
+                        optuna.trial.Trial(study, item.trial_id).set_user_attr(HEARTBEAT, last_beat)
                 for item in [r for r in running if r.process.poll() is not None]:
                     running.remove(item)
-                    self._finish(study, item)
-                if interrupted:
+                    self._finish(study, storage, item, interrupted)
+                    self.progress.table_line(study.get_trials(deepcopy=False), len(running))
+                if interrupted and running:
                     for item in running:
                         item.process.send_signal(signal.SIGINT)  # each checkpoints after its batch
                     for item in running:
                         item.process.wait()
+                        self._finish(study, storage, item, interrupted)
+                    running = []
+                if interrupted:
                     print("dtrain search: interrupted; run the same command again to resume the search",
-                          file=sys.stderr)
+                          file=sys.stderr, flush=True)
                     return ExitCode.INTERRUPTED
         finally:
             signal.signal(signal.SIGINT, previous)
         return self._report(study)
 
-    def _report(self, study: Any) -> int:
+    def _left(self, trials: list[Any]) -> int:
+        """Trials still to draw: the total, less those drawn anywhere (invalid ones are replaced, up to the total
+        again, except in a grid, whose points are fixed)."""
         import optuna
 
-        trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get("superseded")]
-        complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
-        print(f"dtrain search: {len(complete)} of {len(trials)} trials completed; study in "
-              f"{self.search_dir / STUDY_FILE}")
-        for t in sorted(trials, key=lambda t: t.number):
-            value = f"{t.value:.4f}" if t.value is not None else "-"
-            print(f"  trial {t.number:>3}  {t.state.name.lower():<9} {self.spec.metric} {value:>8}  {t.params}")
-        if complete:
-            best = study.best_trial
-            print(f"  best: trial {best.number} ({self.spec.metric} {best.value:.4f}), checkpoint in "
-                  f"{self.search_dir / f'trial-{best.number}' / 'checkpoints'}")
-        return ExitCode.OK if len(complete) == len(trials) else ExitCode.FAILED
+        drawn = [t for t in trials if t.state != optuna.trial.TrialState.WAITING]
+        invalid = sum(1 for t in drawn if t.user_attrs.get(INVALID))
+        gridded = self.spec.name == "grid" or self.spec.sampler == "grid" and self.spec.name == "optuna"
+        if gridded:
+            return self.total - len(drawn)
+        if invalid >= self.total:  # every draw rejected: the space, not bad luck
+            return 0
+        return self.total - (len(drawn) - invalid)
+
+    def _report(self, study: Any) -> int:
+        """The table of all trials, the results files; OK unless a trial errored."""
+        import optuna
+
+        from dtrain.search.results import write_results
+
+        trials = study.get_trials(deepcopy=False)
+        print(self.progress.final_table(trials, self.search_dir), flush=True)
+        rungs = sorted({u for b in self.brackets for u in b.units})
+        for line in write_results(trials, self.spec, self.search_dir, self.study_name, self.storage, rungs):
+            print(line, flush=True)
+        errored = [t for t in trials if t.state == optuna.trial.TrialState.FAIL and not t.user_attrs.get(INVALID)]
+        return ExitCode.FAILED if errored else ExitCode.OK
 
 
 def raw_config(config: Path, overrides: list[str]) -> dict[str, Any]:
@@ -211,4 +366,3 @@ def raw_config(config: Path, overrides: list[str]) -> dict[str, Any]:
 def is_search(raw: Mapping[str, Any]) -> bool:
     searcher = raw.get("searcher")
     return isinstance(searcher, Mapping) and searcher.get("name", "single") != "single"
-

@@ -1,5 +1,5 @@
 """The `searcher:` section of a search, read as Determined's searchers define it (random, grid, adaptive_asha),
-with one clear line for what is wrong."""
+plus `optuna` (an Optuna sampler and pruner), with one clear line for what is wrong."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from typing import Any
 
 from dtrain.errors import ConfigError
 
-SEARCHERS = ("random", "grid", "adaptive_asha")
+SEARCHERS = ("random", "grid", "adaptive_asha", "optuna")
+SAMPLERS = ("tpe", "random", "cmaes", "grid")
+PRUNERS = ("hyperband", "successive_halving", "median", "none")
 UNITS = ("batches", "records", "epochs")
 MODES = ("aggressive", "standard", "conservative")
 
@@ -27,6 +29,8 @@ class SearchSpec:
     max_rungs: int
     mode: str
     bracket_rungs: tuple[int, ...]
+    sampler: str = "tpe"  # searcher optuna
+    pruner: str = "none"  # searcher optuna
 
 
 def _length(value: Any, where: str) -> tuple[int, str]:
@@ -62,21 +66,30 @@ def parse_searcher(raw: Mapping[str, Any]) -> SearchSpec:
     elif "max_length" in raw:
         units, unit = _length(raw["max_length"], "max_length")
     else:
-        wanted = "max_time (with time_metric) or max_length" if name == "adaptive_asha" else "max_length"
+        timed = name in ("adaptive_asha", "optuna")
+        wanted = "max_time (with time_metric) or max_length" if timed else "max_length"
         raise ConfigError(f"searcher `{name}` needs {wanted}: how long a trial trains at most, e.g. "
-                          + ("`max_time: 4` and `time_metric: epochs`" if name == "adaptive_asha"
-                             else "`max_length: {epochs: 4}`"))
+                          + ("`max_time: 4` and `time_metric: epochs`" if timed else "`max_length: {epochs: 4}`"))
     mode = raw.get("mode", "standard")
     if mode not in MODES:
         raise ConfigError(f"searcher.mode {mode!r}: use {', '.join(MODES)}")
     divisor = raw.get("divisor", 4)
     if isinstance(divisor, bool) or not isinstance(divisor, int | float) or divisor <= 1:
         raise ConfigError(f"searcher.divisor {divisor!r} must be a number > 1 (Determined's default is 4)")
-    max_trials = _whole(raw, "max_trials", 0 if name == "grid" else None, 0 if name == "grid" else 1)
+    sampler, pruner = raw.get("sampler", "tpe"), raw.get("pruner", "none")
+    if sampler not in SAMPLERS:
+        raise ConfigError(f"searcher.sampler {sampler!r}: use {', '.join(SAMPLERS)} (Optuna's samplers)")
+    if pruner not in PRUNERS:
+        raise ConfigError(f"searcher.pruner {pruner!r}: use {', '.join(PRUNERS)} (Optuna's pruners)")
+    if name != "optuna" and ("sampler" in raw or "pruner" in raw):
+        raise ConfigError(f"searcher.sampler and searcher.pruner belong to `name: optuna`, not `{name}`: drop them "
+                          "or set `name: optuna`")
+    gridded = name == "grid" or (name == "optuna" and sampler == "grid")
+    max_trials = _whole(raw, "max_trials", 0 if gridded else None, 0 if gridded else 1)
     rungs = raw.get("bracket_rungs") or []
     return SearchSpec(name=name, metric=str(raw.get("metric", "validation_loss")),
                       smaller_is_better=bool(raw.get("smaller_is_better", True)), max_length=units, unit=unit,
                       max_trials=max_trials,
                       max_concurrent_trials=_whole(raw, "max_concurrent_trials", 16, 0),
                       divisor=float(divisor), max_rungs=_whole(raw, "max_rungs", 5), mode=mode,
-                      bracket_rungs=tuple(int(r) for r in rungs))
+                      bracket_rungs=tuple(int(r) for r in rungs), sampler=str(sampler), pruner=str(pruner))

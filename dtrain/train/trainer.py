@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from dtrain.comm import Topology
+from dtrain.comm import Topology, broadcast_object
 from dtrain.config import ExperimentConfig
 from dtrain.data.sharding import BatchSplit, split_global_batch
 from dtrain.data.synthetic import synthetic_replay
@@ -31,6 +31,7 @@ from dtrain.sync import (
     SyncStrategy,
     build_strategy,
 )
+from dtrain.train.advice import StopAdvisor
 from dtrain.train.batches import (
     BatchSizes,
     SizedDataset,
@@ -92,9 +93,10 @@ class Trainer:
 
     def __init__(self, *, config: ExperimentConfig, trial_class: type[Trial], topology: Topology,
                  run_info: RunInfo, context_overrides: Mapping[str, Any] | None = None,
-                 batch_split: BatchSplit | None = None) -> None:
+                 batch_split: BatchSplit | None = None, stop_advisor: StopAdvisor | None = None) -> None:
         """`batch_split` gives per-rank batch sizes (uneven ones too: each rank's gradient is weighted by its
-        share); by default the global batch is cut evenly."""
+        share); by default the global batch is cut evenly. `stop_advisor` (given on every rank, asked on the chief)
+        may stop the run after a validation: a search's searcher."""
         self.config = config
         self.topology = topology
         self.run_info = run_info
@@ -115,6 +117,8 @@ class Trainer:
             aggregation_frequency=config.optimizations.aggregation_frequency, **(context_overrides or {}))
         self.trial = trial_class(self.context)
         self.status = "running"
+        self.stop_advisor = stop_advisor
+        self.stopped_by: str | None = None
 
         # data and schedule
         self.train_data, self.val_data = self._build_data()
@@ -346,6 +350,10 @@ class Trainer:
                 self.consolidate()
                 metric = self._validate(step)
         stop = self._stop_reason(step, update)
+        if validated and self.stop_advisor is not None:
+            advice = self._advice(step, metric)
+            if advice is not None and stop is None and step < self.schedule.total_batches:
+                stop, self.stopped_by = "stopped", advice
         due = update is not None and self.checkpointer.policy.due(
             step, validated=validated, metric=metric, validations=self.state.validation_history)
         if stop is not None or due:
@@ -380,6 +388,18 @@ class Trainer:
                                f"[{time.perf_counter() - started:.1f} s]")
         return self.searcher.of(metrics)
 
+    def _advice(self, step: int, metric: float | None) -> str | None:
+        """The stop advisor's answer after the validation at `step`, the chief's on every rank."""
+        advice: str | None = None
+        if self.topology.is_chief and self.stop_advisor is not None:
+            units = {"batches": float(step), "records": float(self.state.samples_trained),
+                     "epochs": self.schedule.epoch_of(step)}
+            try:
+                advice = self.stop_advisor.after_validation(units, metric)
+            except Exception as exc:  # the searcher's storage unreachable: train on rather than hang the ranks
+                log.warning("the searcher could not be asked after batch %d (%s); training goes on", step, exc)
+        return broadcast_object(advice)
+
     def _stop_reason(self, step: int, update: Update | None) -> str | None:
         """"interrupted" (a signal) or "stopped" (faults.stop_after_batch) when training stops after this update."""
         if update is None or step == self.schedule.total_batches:
@@ -394,6 +414,9 @@ class Trainer:
             received = self.stop.received
             self.progress.note(f"{received.name if received else 'a signal'}: stopped after batch {step} with a "
                                "checkpoint; run the same command again to resume")
+        elif self.stopped_by is not None:
+            self.progress.note(f"stopped after batch {step} by the searcher: {self.stopped_by}; the checkpoint "
+                               "stays in the run dir")
         else:
             self.progress.note(f"stopped after batch {step} as faults.stop_after_batch asks; run the same "
                                "command again to resume")
@@ -415,6 +438,8 @@ class Trainer:
         summary = run_summary(status=self.status, topology=self.topology, sizes=self.sizes, state=self.state,
                               schedule=self.schedule, checkpoint=self.checkpointer.newest(), run_dir=self.run_dir,
                               strategy=self.strategy.describe(), compression=self.config.compression.name)
+        if self.stopped_by is not None:
+            summary["stopped_by_searcher"] = self.stopped_by
         summary["replicas_identical"] = replicas_identical(self.strategy.unwrap_model())
         summary["profile"] = run_profile(self.profiler, self.topology)
         if self.topology.is_chief:

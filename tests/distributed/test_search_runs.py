@@ -26,7 +26,7 @@ def test_random_search_runs_resumes_and_reads_back_in_optuna(tmp_path: Path) -> 
     first = _search(search_dir, "--set", "searcher.max_trials=3")
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     assert "3 of 3 trials completed" in first.stdout and "best: trial" in first.stdout
-    study = optuna.load_study(study_name="search", storage=f"sqlite:///{search_dir / 'study.db'}")
+    study = optuna.load_study(study_name="digits_search", storage=f"sqlite:///{search_dir / 'study.db'}")
     trials = study.get_trials()
     assert len(trials) == 3 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
     for t in trials:

@@ -1,0 +1,97 @@
+"""What a search prints while it runs: one line per trial start and end, a one-line tally after each end, and the
+table of all trials at the end (with the best trial's checkpoint)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from dtrain.search.link import BRACKET, INVALID
+from dtrain.search.spec import SearchSpec
+
+
+def shown(params: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+
+
+def state_of(trial: Any) -> str:
+    """completed, stopped early (by the searcher), invalid (InvalidHP), errored, running or waiting."""
+    name = trial.state.name
+    if name == "COMPLETE":
+        return "completed"
+    if name == "PRUNED":
+        return "stopped early"
+    if name == "FAIL":
+        return "invalid" if trial.user_attrs.get(INVALID) else "errored"
+    return name.lower()
+
+
+def best_metric(trial: Any) -> float | None:
+    value = trial.user_attrs.get("best_metric")
+    return float(value) if value is not None else (float(trial.value) if trial.value is not None else None)
+
+
+def best_trial(trials: Sequence[Any], smaller_is_better: bool) -> Any | None:
+    """The trial with the best validation metric seen, stopped-early trials included (as Determined ranks them)."""
+    ranked = [t for t in trials if state_of(t) in ("completed", "stopped early") and best_metric(t) is not None]
+    if not ranked:
+        return None
+    return (min if smaller_is_better else max)(ranked, key=lambda t: float(best_metric(t) or 0.0))
+
+
+class SearchProgress:
+    def __init__(self, spec: SearchSpec, total: int) -> None:
+        self.spec, self.total = spec, total
+
+    def started(self, number: int, params: Mapping[str, Any], bracket: int | None, resumed: bool) -> None:
+        where = f" in bracket {bracket + 1}" if bracket is not None else ""
+        how = "resumed from its checkpoint" if resumed else "started"
+        print(f"dtrain search: trial {number} {how}{where} ({shown(params)})", flush=True)
+
+    def ended(self, number: int, how: str, detail: str, batches: int | None = None) -> None:
+        trained = f" after {batches} batches" if batches is not None else ""
+        print(f"dtrain search: trial {number} {how}{trained}: {detail}", flush=True)
+
+    def table_line(self, trials: Sequence[Any], running: int) -> None:
+        """The compact tally printed after each trial ends."""
+        counts: dict[str, int] = {}
+        for t in trials:
+            counts[state_of(t)] = counts.get(state_of(t), 0) + 1
+        done = sum(counts.get(k, 0) for k in ("completed", "stopped early", "errored"))
+        best = best_trial(trials, self.spec.smaller_is_better)
+        top = (f"; best trial {best.number} {self.spec.metric} {best_metric(best):.4f}" if best is not None else "")
+        parts = ", ".join(f"{counts[k]} {k}" for k in ("completed", "stopped early", "errored", "invalid")
+                          if counts.get(k))
+        print(f"dtrain search: {done} of {self.total} trials done ({parts or 'none yet'}), {running} running here"
+              f"{top}", flush=True)
+
+    def final_table(self, trials: Sequence[Any], search_dir: Path) -> str:
+        drawn = [t for t in trials if t.state.name != "WAITING"]
+        completed = sum(1 for t in drawn if state_of(t) == "completed")
+        lines = [f"dtrain search: {completed} of {len(drawn)} trials completed; study in {search_dir}"]
+        lines.append(f"  {'trial':>5}  {'state':<13} {'best ' + self.spec.metric:>16} {'batches':>8}  "
+                     "hyperparameters")
+        for t in sorted(drawn, key=lambda t: t.number):
+            value = best_metric(t)
+            bracket = f" [bracket {t.user_attrs[BRACKET] + 1}]" if BRACKET in t.user_attrs else ""
+            lines.append(f"  {t.number:>5}  {state_of(t):<13} {(f'{value:.4f}' if value is not None else '-'):>16} "
+                         f"{t.user_attrs.get('batches_trained', '-'):>8}  {shown(t.params)}{bracket}")
+        best = best_trial(drawn, self.spec.smaller_is_better)
+        if best is not None:
+            lines.append(f"  best: trial {best.number} ({self.spec.metric} {best_metric(best):.4f}), checkpoint "
+                         f"{checkpoint_of(search_dir / str(best.user_attrs.get('run_dir', f'trial-{best.number}')))}")
+        return "\n".join(lines)
+
+
+def checkpoint_of(run_dir: Path) -> Path | None:
+    """The checkpoint a trial's run dir names as its latest (summary.json's, else checkpoints/latest)."""
+    import json
+
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        named = json.loads(summary.read_text()).get("checkpoint")
+        if named:
+            return Path(named)
+    latest = run_dir / "checkpoints" / "latest"
+    return run_dir / "checkpoints" / latest.read_text().strip() if latest.is_file() else None

@@ -1,0 +1,95 @@
+"""The Optuna side of a search: the study (RDB storage: SQLite in the search dir by default, any SQLAlchemy URL with
+`--storage`, so several machines share one study), the sampler a searcher uses, and how a searcher's trials are
+drawn from it (suggest, grid points, ASHA brackets).
+
+Determined's random and adaptive ASHA searchers draw with Optuna's `RandomSampler` (a `log` hyperparameter
+log-uniformly, which is Determined's `base ** uniform(minval, maxval)` for any base); Determined's grid is queued in
+the study (`enqueue_trial`) so that every process sharing the study takes the next point; `searcher.name: optuna`
+uses the sampler it names.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from typing import Any
+
+from dtrain.search.space import Space
+from dtrain.search.spec import SearchSpec
+
+GRID_QUEUED = "grid_queued"
+
+
+def suggest(space: Space, trial: Any) -> dict[str, Any]:
+    """A trial's values for the searchable hyperparameters (dotted names), through Optuna's suggest API."""
+    values: dict[str, Any] = {}
+    for p in space.searchable:
+        if p.kind == "int":
+            values[p.name] = trial.suggest_int(p.name, int(p.minval), int(p.maxval))
+        elif p.kind == "double":
+            values[p.name] = trial.suggest_float(p.name, p.minval, p.maxval)
+        elif p.kind == "log":
+            values[p.name] = trial.suggest_float(p.name, p.base ** p.minval, p.base ** p.maxval, log=True)
+        else:
+            values[p.name] = trial.suggest_categorical(p.name, list(p.vals))
+    return values
+
+
+def grid_points(space: Space) -> list[dict[str, Any]]:
+    """Every point of Determined's grid over the searchable hyperparameters (dotted names), first varying slowest."""
+    searchable = list(space.searchable)
+    return [dict(zip((p.name for p in searchable), values, strict=True))
+            for values in itertools.product(*(p.grid() for p in searchable))]
+
+
+def _ask_tell_grid(space: Space, seed: int) -> Any:
+    """Optuna's GridSampler over Determined's grid points, for an ask-and-tell loop: GridSampler ends a study
+    from `after_trial` with `study.stop()`, which only an `optimize` loop accepts; the runner counts the grid's
+    points itself."""
+    import optuna
+
+    class AskTellGridSampler(optuna.samplers.GridSampler):
+        def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+            return None
+
+    grid = {p.name: p.grid() for p in space.searchable}
+    return AskTellGridSampler(grid, seed=seed)
+
+
+def make_sampler(spec: SearchSpec, space: Space, seed: int) -> Any:
+    import optuna
+
+    if spec.name != "optuna" or spec.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if spec.sampler == "tpe":
+        return optuna.samplers.TPESampler(seed=seed)
+    if spec.sampler == "cmaes":
+        return optuna.samplers.CmaEsSampler(seed=seed, warn_independent_sampling=False)
+    return _ask_tell_grid(space, seed)
+
+
+def total_trials(spec: SearchSpec, space: Space) -> int:
+    """How many trials the search runs: max_trials, or the grid's points."""
+    if spec.name == "grid" or (spec.name == "optuna" and spec.sampler == "grid"):
+        return len(grid_points(space))
+    return spec.max_trials
+
+
+def open_study(storage_url: str, study_name: str, spec: SearchSpec, space: Space, seed: int, pruner: Any) -> Any:
+    """Create the study, or load it when it exists (a resumed search, or another machine's share of it)."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(storage=storage_url, study_name=study_name, load_if_exists=True,
+                                sampler=make_sampler(spec, space, seed), pruner=pruner,
+                                direction="minimize" if spec.smaller_is_better else "maximize")
+    if spec.name == "grid" and not study.user_attrs.get(GRID_QUEUED):
+        if not study.get_trials(deepcopy=False):
+            for point in grid_points(space):  # queued once: every process sharing the study takes the next one
+                study.enqueue_trial(point)
+        study.set_user_attr(GRID_QUEUED, True)
+    return study
+
+
+def params_of(trial: Any) -> Mapping[str, Any]:
+    return dict(trial.params)
