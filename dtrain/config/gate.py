@@ -11,7 +11,6 @@ from dtrain.errors import ConfigError
 # (dotted key, the values that work today, why the others are refused)
 NOT_BUILT_YET: list[tuple[str, tuple[Any, ...], str]] = [
     ("optimizations.mixed_precision", ("O0",), "mixed precision is not built yet"),
-    ("distributed.heterogeneous", (None,), "per-rank batches for uneven workers are not built yet"),
     ("distributed.network_interface", (None,), "choosing the network interface is not built yet"),
     ("searcher.name", ("single",), "a search runs through `dtrain run` (random and grid; docs/search.md), not "
      "inside one run"),

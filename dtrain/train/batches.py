@@ -116,6 +116,13 @@ class BatchSizes:
         return BatchSplit(per_rank=tuple(size * times for size in self.base.per_rank),
                           requested_global=self.base.requested_global * times)
 
+    def rebase(self, base: BatchSplit) -> None:
+        """Cut every batch by `base` from now on (re-balancing: the global batch is the same), in the same phase."""
+        self.base = base
+        phase, self.phase = self.phase, None
+        if phase is not None:
+            self.enter(phase)
+
     def enter(self, phase: BatchPhase) -> bool:
         """Train the next batches with `phase`'s split and aggregation; True when that is a change."""
         if phase is self.phase:

@@ -25,6 +25,7 @@ class TrainerState:
     payload_bytes: float = 0.0  # bytes it handed to collectives (compressed payloads)
     dense_wire_bytes: float = 0.0  # what dense fp32 all-reduces would have sent
     nan_steps_skipped: int = 0  # updates skipped for a non-finite gradient (nan_policy skip)
+    batch_split: list[int] | None = None  # per-rank batches a re-balance chose (distributed.heterogeneous: auto)
 
     def to_dict(self) -> dict[str, Any]:
         return {"steps_completed": self.steps_completed, "samples_trained": self.samples_trained,
@@ -33,7 +34,8 @@ class TrainerState:
                 "checkpoint_metrics": {str(k): v for k, v in self.checkpoint_metrics.items()},
                 "resumes": self.resumes, "communicating_steps": self.communicating_steps,
                 "wire_bytes": self.wire_bytes, "payload_bytes": self.payload_bytes,
-                "dense_wire_bytes": self.dense_wire_bytes, "nan_steps_skipped": self.nan_steps_skipped}
+                "dense_wire_bytes": self.dense_wire_bytes, "nan_steps_skipped": self.nan_steps_skipped,
+                "batch_split": self.batch_split}
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> TrainerState:
@@ -44,7 +46,8 @@ class TrainerState:
                    resumes=int(raw.get("resumes", 0)), communicating_steps=int(raw.get("communicating_steps", 0)),
                    wire_bytes=float(raw.get("wire_bytes", 0.0)), payload_bytes=float(raw.get("payload_bytes", 0.0)),
                    dense_wire_bytes=float(raw.get("dense_wire_bytes", 0.0)),
-                   nan_steps_skipped=int(raw.get("nan_steps_skipped", 0)))
+                   nan_steps_skipped=int(raw.get("nan_steps_skipped", 0)),
+                   batch_split=[int(size) for size in raw["batch_split"]] if raw.get("batch_split") else None)
 
 
 class TrainingClock:

@@ -18,7 +18,7 @@ from torch import nn
 
 from dtrain.comm import Topology, broadcast_object
 from dtrain.config import ExperimentConfig
-from dtrain.data.sharding import BatchSplit, split_global_batch
+from dtrain.data.sharding import BatchSplit, split_by_sizes
 from dtrain.data.synthetic import synthetic_replay
 from dtrain.errors import TrialError
 from dtrain.profile import Profiler
@@ -32,6 +32,7 @@ from dtrain.sync import (
     build_strategy,
 )
 from dtrain.train.advice import StopAdvisor
+from dtrain.train.balance import build_balancing, initial_split
 from dtrain.train.batches import (
     BatchSizes,
     SizedDataset,
@@ -95,13 +96,14 @@ class Trainer:
                  run_info: RunInfo, context_overrides: Mapping[str, Any] | None = None,
                  batch_split: BatchSplit | None = None, stop_advisor: StopAdvisor | None = None) -> None:
         """`batch_split` gives per-rank batch sizes (uneven ones too: each rank's gradient is weighted by its
-        share); by default the global batch is cut evenly. `stop_advisor` (given on every rank, asked on the chief)
-        may stop the run after a validation: a search's searcher."""
+        share); by default `distributed.heterogeneous` decides (dtrain.train.balance), or the global batch is cut
+        evenly. `stop_advisor` (given on every rank, asked on the chief) may stop the run after a validation: a
+        search's searcher."""
         self.config = config
         self.topology = topology
         self.run_info = run_info
         self.run_dir = run_info.run_dir
-        split = batch_split or split_global_batch(config.global_batch_size, topology.world_size)
+        split = batch_split or initial_split(config, topology.world_size)
         if len(split.per_rank) != topology.world_size:
             raise ValueError(f"batch_split has {len(split.per_rank)} ranks, the run {topology.world_size}")
         self.seed = config.reproducibility.experiment_seed
@@ -138,6 +140,11 @@ class Trainer:
         self.checkpoint_state = checkpoint_state_of(self.strategy)
         self.resumed = checkpoint is not None
         self.state = self._resume(checkpoint) if checkpoint is not None else self._start()
+        if self.state.batch_split is not None:  # the split the last re-balance chose
+            self.sizes.rebase(split_by_sizes(self.state.batch_split))
+        self.balancing, meter = build_balancing(config, topology, self.model, lambda: self.sizes.records)
+        if meter is not None:
+            self.callbacks.register(meter)
 
         # the strategy's extensions, or the Trainer's one default behaviour for each
         self.pacing: AsynchronousPacing = self.strategy if isinstance(self.strategy, AsynchronousPacing) else Lockstep()
@@ -257,6 +264,8 @@ class Trainer:
             update = self._update(step, previous) if boundary else None
             reached = update.reached if update is not None else step
             self._advance(previous, reached, started)
+            if update is not None:
+                self._rebalance(reached)
             if reached == previous:
                 return False  # the parameter servers have not completed another global batch yet
             self.progress.update(reached, self.schedule.epoch_of, outputs["loss"])
@@ -318,6 +327,20 @@ class Trainer:
         # ranks out of lockstep stop together only at a meeting point (they decide on their own)
         stop = verdict.stop and (self.guard.collective or reached == self.schedule.next_meeting(previous))
         return Update(reached=reached, stop=stop)
+
+    def _rebalance(self, step: int) -> None:
+        """Take a new per-rank split after batch `step` when the re-balancer (distributed.heterogeneous) chose one;
+        the global batch and the place in the data stay the same, so the batches go on from `step`."""
+        split = self.balancing.after_update(self.schedule.plan.optimizer_steps(step), self.sizes.base)
+        if split is None:
+            return
+        self.sizes.rebase(split)
+        self.context.batch_split = self.sizes.split
+        self.state.batch_split = list(split.per_rank)
+        self.batch_stream = self.batches.starting_at(step)
+        speeds = ", ".join(f"{speed:.0f}" for speed in self.balancing.speeds)
+        self.progress.note(f"heterogeneous: after batch {step} the ranks' records/s are {speeds}; per-rank batches "
+                           f"{'/'.join(map(str, split.per_rank))} from now on")
 
     def _reached(self, previous: int, step: int) -> int:
         """The batch number this rank has reached after its update for batch `step`: `step` itself when ranks move
@@ -427,11 +450,16 @@ class Trainer:
         s, split = self.schedule, self.sizes.split
         how = f"resuming at batch {self.state.steps_completed}" if self.resumed else "starting"
         self.progress.note(
-            f"{self.config.name}: {how}; {self.topology.world_size} worker(s) x {split.per_rank[0]} records = "
+            f"{self.config.name}: {how}; {self.topology.world_size} worker(s) x {self._per_rank(split)} records = "
             f"global batch {split.global_batch_size}; {s.total_batches} batches "
             f"({s.epoch_of(s.total_batches):.2f} epochs of {s.batches_per_epoch:g} batches)")
         for line in self.optimization.describe(self.config.large_batch) + s.describe_phases():
             self.progress.note(line)
+
+    @staticmethod
+    def _per_rank(split: BatchSplit) -> str:
+        sizes = set(split.per_rank)
+        return str(split.per_rank[0]) if len(sizes) == 1 else "/".join(map(str, split.per_rank))
 
     def _finish(self) -> dict[str, Any]:
         """The summary (rank 0 writes summary.json), after checking that the replicas agree."""
