@@ -65,6 +65,7 @@ bench: setup
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/chaos.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/horovod_compat.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/horovod_accuracy.py
+	flock /tmp/dtrain-bench.lock $(PY) benchmarks/search.py
 
 lint: setup
 	$(VENV)/bin/ruff check dtrain tests benchmarks examples

@@ -64,6 +64,34 @@ def list_experiments(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _searcher_metric(config_text: str) -> tuple[str, bool]:
+    """The searcher metric of an experiment's config and whether smaller is better (validation_loss, True)."""
+    import yaml
+
+    try:
+        searcher = (yaml.safe_load(config_text) or {}).get("searcher") or {}
+    except yaml.YAMLError:
+        searcher = {}
+    return str(searcher.get("metric", "validation_loss")), bool(searcher.get("smaller_is_better", True))
+
+
+def _state(status: str, summary: dict[str, Any] | None) -> str:
+    """A trial's status as a search reads it: a run the searcher stopped is `stopped early`."""
+    if status == "stopped" and (summary or {}).get("stopped_by_searcher"):
+        return "stopped early"
+    return {"failed": "errored"}.get(status, status)
+
+
+def _flat(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def show_experiment(args: argparse.Namespace) -> int:
     """One experiment in full: its trials, their summaries and validation series, and the config."""
     store = _open_store()
@@ -72,9 +100,15 @@ def show_experiment(args: argparse.Namespace) -> int:
         store.close()
         raise LaunchError(f"experiment {args.id} is not in the store; `dtrain experiments list` shows the ids")
     trials = store.trials(args.id)
+    metric, smaller = _searcher_metric(experiment.config)
     detail: list[dict[str, Any]] = []
     for trial in trials:
-        detail.append({"trial_id": trial.id, "status": trial.status, "run_dir": trial.run_dir,
+        validation = store.metric_series(trial.id, "validation")
+        values = [v for _, v in validation.get(metric, validation.get(metric.removeprefix("validation_"), []))]
+        best = (min(values) if smaller else max(values)) if values else None
+        detail.append({"trial_id": trial.id, "status": _state(trial.status, trial.summary),
+                       "run_dir": trial.run_dir, "hyperparameters": trial.hparams, "best_metric": best,
+                       "batches": (trial.summary or {}).get("steps_completed"),
                        "world_size": trial.world_size, "summary": trial.summary,
                        "validation": store.metric_series(trial.id, "validation"),
                        "training": {k: v[-1] for k, v in store.metric_series(trial.id, "training").items()}})
@@ -86,9 +120,24 @@ def show_experiment(args: argparse.Namespace) -> int:
     print(f"experiment {experiment.id}: {experiment.name}"
           + (f" - {experiment.description}" if experiment.description else ""))
     print(f"created {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(experiment.created_at))}")
+    if len(detail) > 1:  # a search: one line per trial first
+        print(f"\n{'trial':>6}  {'state':<14} {'batches':>8} {'best ' + metric:>18}  hyperparameters")
+        for shown in detail:
+            best_text = f"{shown['best_metric']:.4f}" if shown["best_metric"] is not None else "-"
+            searched = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                 for k, v in _flat(shown["hyperparameters"]).items())
+            batches = shown["batches"] if shown["batches"] is not None else "-"
+            print(f"{shown['trial_id']:>6}  {shown['status']:<14} {batches:>8} {best_text:>18}  {searched}")
+        ranked = [s for s in detail if s["best_metric"] is not None]
+        if ranked:
+            top = (min if smaller else max)(ranked, key=lambda s: float(s["best_metric"]))
+            checkpoint = (top["summary"] or {}).get("checkpoint")
+            print(f"best: trial {top['trial_id']} ({metric} {top['best_metric']:.4f}), checkpoint {checkpoint}")
     for shown in detail:
         print(f"\ntrial {shown['trial_id']}: {shown['status']}, {shown['world_size']} worker(s), run dir "
               f"{shown['run_dir']}")
+        if (shown["summary"] or {}).get("stopped_by_searcher"):
+            print(f"  stopped by the searcher: {shown['summary']['stopped_by_searcher']}")
         summary = shown["summary"] or {}
         if summary:
             print(f"  {summary.get('steps_completed')} batches, {summary.get('wall_seconds', 0):.0f} s, "

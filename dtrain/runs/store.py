@@ -9,7 +9,7 @@ import json
 import sqlite3
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,7 @@ class TrialRow:
     started_at: float
     ended_at: float | None
     summary: dict[str, Any] | None
+    hparams: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -124,10 +125,11 @@ class RunStore:
 
     def trials(self, experiment_id: int) -> list[TrialRow]:
         rows = self._conn.execute(
-            "SELECT id, experiment_id, run_dir, status, world_size, started_at, ended_at, summary FROM trials "
+            "SELECT id, experiment_id, run_dir, status, world_size, started_at, ended_at, summary, hparams FROM trials "
             "WHERE experiment_id=? ORDER BY id", (experiment_id,)).fetchall()
         return [TrialRow(id=row[0], experiment_id=row[1], run_dir=row[2], status=row[3], world_size=row[4],
-                         started_at=row[5], ended_at=row[6], summary=json.loads(row[7]) if row[7] else None)
+                         started_at=row[5], ended_at=row[6], summary=json.loads(row[7]) if row[7] else None,
+                         hparams=json.loads(row[8]) if row[8] else {})
                 for row in rows]
 
     def metric_series(self, trial_id: int, kind: str) -> dict[str, list[tuple[int, float]]]:

@@ -34,11 +34,11 @@ from dtrain.search.link import BRACKET, INVALID, STOPPED, LinkRecord, make_prune
 from dtrain.search.progress import SearchProgress
 from dtrain.search.space import Space
 from dtrain.search.spec import SearchSpec, parse_searcher
-from dtrain.search.study import open_study, suggest, total_trials
+from dtrain.search.study import ask, open_study, total_trials
 
 STUDY_FILE = "study.db"
 SEARCH_FILE = "search.json"
-OWNER, HEARTBEAT, RUN_DIR = "owner", "heartbeat", "run_dir"
+OWNER, HEARTBEAT, RUN_DIR, SURPLUS = "owner", "heartbeat", "run_dir", "surplus"
 HEARTBEAT_SECONDS = 10.0
 GRACE_SECONDS = 60.0  # a trial whose runner has not beaten for this long (on another machine) is taken over
 
@@ -203,9 +203,15 @@ class SearchRunner:
         log.close()
         return Running(number, trial._trial_id, process, run_dir)
 
-    def _new_trial(self, study: Any, trials: list[Any], experiment_id: int | None) -> Running:
-        trial = study.ask()
-        params = suggest(self.space, trial)
+    def _new_trial(self, study: Any, trials: list[Any], experiment_id: int | None) -> Running | None:
+        import optuna
+
+        trial, params = ask(study, self.spec, self.space, self.seed)
+        if self._surplus(trial.number, study.get_trials(deepcopy=False)):
+            # another process drew the last trial at the same moment: the higher number gives way
+            trial.set_user_attr(SURPLUS, True)
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            return None
         bracket = self._next_bracket(trials)
         if bracket is not None:
             trial.set_user_attr(BRACKET, bracket)
@@ -233,8 +239,8 @@ class SearchRunner:
         summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
         trial.set_user_attr("batches_trained", int(summary.get("steps_completed") or 0))
         trial.set_user_attr("epochs_trained", float(summary.get("epochs_completed") or 0.0))
-        if code == ExitCode.INTERRUPTED and interrupted:
-            return
+        if interrupted and not (code == ExitCode.OK and summary.get("status") == "completed"):
+            return  # stopped by our Ctrl-C (at whatever stage it was): it stays RUNNING, to be resumed
         stopped = frozen.user_attrs.get(STOPPED) or summary.get("stopped_by_searcher")
         if code == ExitCode.INVALID_HP:
             fatal_file = running.run_dir / FATAL_FILE
@@ -297,7 +303,9 @@ class SearchRunner:
                                 and orphaned(frozen, self.me, now)):
                             running.append(self._adopt(study, frozen, experiment_id))
                     while len(running) < self.parallel and self._left(trials) > 0:
-                        running.append(self._new_trial(study, trials, experiment_id))
+                        started = self._new_trial(study, trials, experiment_id)
+                        if started is not None:
+                            running.append(started)
                         trials = study.get_trials(deepcopy=False)
                 if not running:
                     break
@@ -309,7 +317,8 @@ class SearchRunner:
                 for item in [r for r in running if r.process.poll() is not None]:
                     running.remove(item)
                     self._finish(study, storage, item, interrupted)
-                    self.progress.table_line(study.get_trials(deepcopy=False), len(running))
+                    self.progress.table_line([t for t in study.get_trials(deepcopy=False)
+                                              if not t.user_attrs.get(SURPLUS)], len(running))
                 if interrupted and running:
                     for item in running:
                         item.process.send_signal(signal.SIGINT)  # each checkpoints after its batch
@@ -325,12 +334,16 @@ class SearchRunner:
             signal.signal(signal.SIGINT, previous)
         return self._report(study)
 
+    def _surplus(self, number: int, trials: list[Any]) -> bool:
+        """Whether trial `number` came after the search had drawn all its trials (two processes asked at once)."""
+        return self._left([t for t in trials if t.number < number]) <= 0
+
     def _left(self, trials: list[Any]) -> int:
         """Trials still to draw: the total, less those drawn anywhere (invalid ones are replaced, up to the total
         again, except in a grid, whose points are fixed)."""
         import optuna
 
-        drawn = [t for t in trials if t.state != optuna.trial.TrialState.WAITING]
+        drawn = [t for t in trials if t.state != optuna.trial.TrialState.WAITING and not t.user_attrs.get(SURPLUS)]
         invalid = sum(1 for t in drawn if t.user_attrs.get(INVALID))
         gridded = self.spec.name == "grid" or self.spec.sampler == "grid" and self.spec.name == "optuna"
         if gridded:
@@ -345,7 +358,7 @@ class SearchRunner:
 
         from dtrain.search.results import write_results
 
-        trials = study.get_trials(deepcopy=False)
+        trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get(SURPLUS)]
         print(self.progress.final_table(trials, self.search_dir), flush=True)
         rungs = sorted({u for b in self.brackets for u in b.units})
         for line in write_results(trials, self.spec, self.search_dir, self.study_name, self.storage, rungs):

@@ -11,9 +11,11 @@ uses the sampler it names.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Mapping
 from typing import Any
 
+from dtrain.errors import ConfigError
 from dtrain.search.space import Space
 from dtrain.search.spec import SearchSpec
 
@@ -68,6 +70,15 @@ def make_sampler(spec: SearchSpec, space: Space, seed: int) -> Any:
     return _ask_tell_grid(space, seed)
 
 
+def ask(study: Any, spec: SearchSpec, space: Space, seed: int) -> tuple[Any, dict[str, Any]]:
+    """A new trial and its hyperparameters (dotted names). The sampler is seeded by the number of trials in the
+    study, so the n-th trial of a seed is the same whether the search ran straight through or was stopped and
+    resumed by another process (a sampler seeded once per process would draw the first trials again)."""
+    study.sampler = make_sampler(spec, space, seed * 1_000_003 + len(study.get_trials(deepcopy=False)))
+    trial = study.ask()
+    return trial, suggest(space, trial)
+
+
 def total_trials(spec: SearchSpec, space: Space) -> int:
     """How many trials the search runs: max_trials, or the grid's points."""
     if spec.name == "grid" or (spec.name == "optuna" and spec.sampler == "grid"):
@@ -80,14 +91,25 @@ def open_study(storage_url: str, study_name: str, spec: SearchSpec, space: Space
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(storage=storage_url, study_name=study_name, load_if_exists=True,
-                                sampler=make_sampler(spec, space, seed), pruner=pruner,
-                                direction="minimize" if spec.smaller_is_better else "maximize")
-    if spec.name == "grid" and not study.user_attrs.get(GRID_QUEUED):
-        if not study.get_trials(deepcopy=False):
-            for point in grid_points(space):  # queued once: every process sharing the study takes the next one
+    options = {"storage": storage_url, "study_name": study_name, "sampler": make_sampler(spec, space, seed),
+               "pruner": pruner}
+    try:  # creating the study is the one atomic step: only its creator queues a grid
+        study = optuna.create_study(direction="minimize" if spec.smaller_is_better else "maximize", **options)
+        created = True
+    except optuna.exceptions.DuplicatedStudyError:
+        study, created = optuna.load_study(**options), False
+    if spec.name == "grid":
+        if created:
+            for point in grid_points(space):  # every process sharing the study takes the next one
                 study.enqueue_trial(point)
-        study.set_user_attr(GRID_QUEUED, True)
+            study.set_user_attr(GRID_QUEUED, True)
+        else:
+            deadline = time.monotonic() + 60
+            while not study.user_attrs.get(GRID_QUEUED) and time.monotonic() < deadline:
+                time.sleep(0.2)  # another process created the study and is queueing the grid
+            if not study.user_attrs.get(GRID_QUEUED):
+                raise ConfigError(f"study {study_name!r} in {storage_url} has no grid queued: it was created by "
+                                  "another kind of search, or its creator stopped; give another --study name")
     return study
 
 

@@ -13,7 +13,7 @@ import pytest
 from dtrain.search.link import BRACKET, INVALID, STOPPED, LinkRecord, SearchLink
 from dtrain.search.space import Space
 from dtrain.search.spec import parse_searcher
-from dtrain.search.study import open_study, suggest
+from dtrain.search.study import ask, open_study
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -87,21 +87,24 @@ def test_an_optuna_pruner_decides_through_the_same_call(tmp_path: Path) -> None:
     assert "median pruner" in str(bad.report(_units(2), 0.9))
 
 
-def test_a_fixed_seed_draws_the_same_trials(tmp_path: Path) -> None:
+def test_a_fixed_seed_draws_the_same_trials_straight_through_or_resumed(tmp_path: Path) -> None:
     space = Space.parse({"lr": {"type": "log", "minval": -4, "maxval": -1}, "n": {"type": "int", "minval": 1,
                          "maxval": 9}, "act": {"type": "categorical", "vals": ["relu", "tanh"]}})
     for name in ("random", "optuna"):
         spec = parse_searcher({"name": name, "max_trials": 4, "max_time": 8, "time_metric": "batches"})
-        drawn = []
-        for run in range(2):
-            study = open_study(f"sqlite:///{tmp_path / f'{name}-{run}.db'}", "s", spec, space, 7,
-                               optuna.pruners.NopPruner())
-            sequence = []
-            for _ in range(4):
-                trial = study.ask()
-                sequence.append(suggest(space, trial))
-                study.tell(trial, sum(len(str(v)) for v in sequence[-1].values()))
-            drawn.append(sequence)
-        assert drawn[0] == drawn[1] and len({str(s) for s in drawn[0]}) == 4
-        for point in drawn[0]:
+
+        def draw(url: str, count: int, spec: Any = spec) -> list[dict[str, Any]]:
+            study = open_study(url, "s", spec, space, 7, optuna.pruners.NopPruner())  # a new process's view
+            drawn = []
+            for _ in range(count):
+                trial, params = ask(study, spec, space, 7)
+                study.tell(trial, float(params["n"]))
+                drawn.append(params)
+            return drawn
+
+        straight = draw(f"sqlite:///{tmp_path / f'{name}-a.db'}", 4)
+        resumed_url = f"sqlite:///{tmp_path / f'{name}-b.db'}"
+        resumed = draw(resumed_url, 2) + draw(resumed_url, 2)  # stopped after two trials, then resumed
+        assert straight == resumed and len({str(s) for s in straight}) == 4
+        for point in straight:
             assert 1e-4 <= point["lr"] <= 1e-1 and 1 <= point["n"] <= 9 and point["act"] in ("relu", "tanh")
