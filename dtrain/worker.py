@@ -102,8 +102,10 @@ def run_worker(args: argparse.Namespace) -> int:
                                             "the global batch is split over %d", topology.world_size,
                                             config.resources.world_size, topology.world_size)
     trial_class = load_trial_class(config.entrypoint, run_info.config_dir)
-    trainer = Trainer(config=config, trial_class=trial_class, topology=topology, run_info=run_info,
-                      stop_advisor=_search_advisor(run_dir))
+    # a Trial that is not trained by gradient steps (dtrain.svm's) names its own runner; others get the Trainer
+    runner = getattr(trial_class, "dtrain_runner", Trainer)
+    trainer = runner(config=config, trial_class=trial_class, topology=topology, run_info=run_info,
+                     stop_advisor=_search_advisor(run_dir))
     trainer.fit()
     barrier()
     return ExitCode.INTERRUPTED if trainer.status == "interrupted" else ExitCode.OK
