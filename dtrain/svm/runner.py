@@ -7,7 +7,7 @@ per class pair), solves them in turn over all ranks, and after each batch:
 - writes a checkpoint every `min_checkpoint_period` batches and at the end: rank 0 gathers every rank's alpha,
   f (brought up to date for eliminated samples), active set and elimination streaks, plus the finished
   problems' models, into `checkpoints/step-<N>/` (the same atomic, checksummed layout as the Trainer's);
-- runs the config's `debug.kills` before a batch (a rank SIGKILLed there is restarted by the launcher, and
+- runs the config's `faults.kills` before a batch (a rank SIGKILLed there is restarted by the launcher, and
   every rank resumes from the latest checkpoint; the solve then ends with the same alphas as without the kill).
 At the end it validates the model on the validation data (accuracy) and writes summary.json with the SMO's
 figures: iterations, kernel evaluations, communication time, eliminations per rank, reconstructions, the final
@@ -86,7 +86,7 @@ class SVMRunner:
         features, labels = arrays(self.trial.build_training_data())
         self.val_features, self.val_labels = arrays(self.trial.build_validation_data())
         self.features, self.labels, self.problems = self.estimator.plan(features, labels)
-        self.faults = FaultInjector(config.debug, topology.rank, record_path=self.run_dir / "logs" / FAULTS_FILE,
+        self.faults = FaultInjector(config.faults, topology.rank, record_path=self.run_dir / "logs" / FAULTS_FILE,
                                     restart_count=topology.restart_count)
         chief = topology.is_chief
         self.metrics = MetricsWriter(store_path=run_info.store if chief else None, trial_id=run_info.trial_id,
