@@ -67,8 +67,8 @@ def run_worker(args: argparse.Namespace) -> int:
 
     from dtrain.comm import barrier, init_distributed, read_launch_env
     from dtrain.config import check_buildable, load_config, read_yaml
+    from dtrain.determined.entrypoint import load_trial
     from dtrain.runs.rundir import CONFIG_FILE, load_run_info, prepare_run_dir
-    from dtrain.train.entrypoint import load_trial_class
     from dtrain.train.trainer import Trainer
 
     run_dir: Path = args.run_dir
@@ -81,6 +81,11 @@ def run_worker(args: argparse.Namespace) -> int:
         loaded = load_config(None, raw=read_yaml(run_dir / CONFIG_FILE))
     config = loaded.config
     check_buildable(config)
+    if config.is_command:  # a command entrypoint: this process becomes the command (Determined's launch form)
+        from dtrain.determined.command import exec_command
+
+        config_dir = loaded.base_dir if args.config is not None else load_run_info(run_dir).config_dir
+        exec_command(config.entry.argv, run_dir, config_dir, launch.rank)
     torch.set_num_threads(_threads_per_worker())
     servers = config.distributed.parameter_server.servers if config.distributed.strategy == "parameter_server" else 0
     topology = init_distributed(backend=config.distributed.backend, timeout_seconds=config.distributed.timeout_seconds,
@@ -101,7 +106,8 @@ def run_worker(args: argparse.Namespace) -> int:
         logging.getLogger("dtrain").warning("running with %d workers where resources.slots_per_trial says %d; "
                                             "the global batch is split over %d", topology.world_size,
                                             config.resources.world_size, topology.world_size)
-    trial_class = load_trial_class(config.entrypoint, run_info.config_dir)
+    os.environ["DTRAIN_RUN_DIR"] = str(run_dir.resolve())  # det.get_cluster_info() in a PyTorchTrial
+    trial_class = load_trial(config, run_info.config_dir)
     # a Trial that is not trained by gradient steps (dtrain.svm's) names its own runner; others get the Trainer
     runner = getattr(trial_class, "dtrain_runner", Trainer)
     trainer = runner(config=config, trial_class=trial_class, topology=topology, run_info=run_info,
@@ -134,10 +140,10 @@ def _first_line(exc: BaseException) -> str:
 def _serve(run_dir: Path, config: Any, topology: Any, config_dir: Path) -> int:
     """A parameter-server process: serve the workers until they leave. The Trial's module is imported first, so
     that an optimizer class defined there can be built on the server."""
+    from dtrain.determined.entrypoint import load_trial
     from dtrain.sync.parameter_server import serve
-    from dtrain.train.entrypoint import load_trial_class
 
-    load_trial_class(config.entrypoint, config_dir)
+    load_trial(config, config_dir)
     # the log goes into the run dir once the workers are in the RPC group: by then rank 0 has prepared the dir
     name = f"server-{topology.rank - topology.world_size}"
     serve(topology, config.distributed.parameter_server, timeout_seconds=config.distributed.timeout_seconds,

@@ -89,19 +89,20 @@ def trial_workload(config_path: Path, overrides: list[str] | None = None, batch_
 
     from dtrain.config import load_config
     from dtrain.data.sharding import split_global_batch
-    from dtrain.train.entrypoint import load_trial_class
+    from dtrain.determined.entrypoint import load_trial
     from dtrain.train.trial import TrialContext
 
     loaded = load_config(config_path, overrides or [])
     config = loaded.config
     split = split_global_batch(config.global_batch_size, config.resources.world_size)
     per_device = batch_size or split.per_rank[0]
-    trial_class = load_trial_class(config.entrypoint, loaded.base_dir)
+    trial_class = load_trial(config, loaded.base_dir)
     context = TrialContext(hparams=config.hyperparameters, rank=0, world_size=config.resources.world_size,
                            local_rank=0, batch_split=split, device=torch.device("cpu"),
                            seed=config.reproducibility.experiment_seed, data_config=config.data,
                            config_dir=loaded.base_dir, total_batches=1000, batches_per_epoch=1000,
-                           aggregation_frequency=config.optimizations.aggregation_frequency)
+                           aggregation_frequency=config.optimizations.aggregation_frequency,
+                           experiment_config=config)
     trial = trial_class(context)
     data: Any = trial.build_training_data()
     if len(data) < per_device:

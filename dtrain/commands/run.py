@@ -60,11 +60,12 @@ def run_experiment(args: argparse.Namespace) -> int:
     """Check everything that can be checked before a worker starts, launch the workers, record how they ended."""
     # imported here, not above: `dtrain --help` stays quick, and tests can replace `launch_workers`
     from dtrain.config import check_buildable, load_config
+    from dtrain.determined.command import check_command
+    from dtrain.determined.entrypoint import load_trial
     from dtrain.launch import NodeSpec, launch_workers
     from dtrain.runs.rundir import SUMMARY_FILE, prepare_run_dir, read_summary, write_json_atomic
     from dtrain.runs.store import RunStore
     from dtrain.search.runner import is_search, raw_config
-    from dtrain.train.entrypoint import load_trial_class
 
     if is_search(raw_config(args.config, args.overrides)):
         return _run_search(args)
@@ -77,7 +78,10 @@ def run_experiment(args: argparse.Namespace) -> int:
     node = NodeSpec(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                     master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
     node.validate(config.resources.world_size)
-    load_trial_class(config.entrypoint, loaded.base_dir)  # a wrong entrypoint fails here, before any worker starts
+    if config.is_command:  # a command that cannot start fails here, before any worker starts
+        check_command(config.entry.argv, loaded.base_dir)
+    else:  # so does a wrong Trial class
+        load_trial(config, loaded.base_dir)
     for warning in loaded.warnings:
         print(f"dtrain: warning: {warning}", file=sys.stderr)
     info = prepare_run_dir(config, args.run_dir, loaded.base_dir, register=node.node_rank == 0,

@@ -34,6 +34,14 @@ class Length(Section):
     epochs: int | None = Field(default=None, ge=0, description="passes over the training data (see "
                                                               "`records_per_epoch`)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_number(cls, data: object) -> object:
+        """Determined's Core API examples give a length as a bare number (their units are the script's own)."""
+        if isinstance(data, int) and not isinstance(data, bool):
+            return {"batches": data}
+        return data
+
     @model_validator(mode="after")
     def _exactly_one_unit(self) -> Length:
         given = [unit for unit in LENGTH_UNITS if getattr(self, unit) is not None]

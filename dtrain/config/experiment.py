@@ -9,10 +9,12 @@ from pydantic import Field, field_validator, model_validator
 
 from dtrain.config.base import DETERMINED_ONLY, Length, Section
 from dtrain.config.distributed import Compression, Distributed, Optimizations
+from dtrain.config.entrypoint import Entrypoint, parse_entrypoint
 from dtrain.config.faults import Faults
 from dtrain.config.large_batch import LargeBatch
 from dtrain.config.profiling import Profiling
 from dtrain.config.training import CheckpointStorage, DataLoaderConfig, Reproducibility, Resources, Searcher
+from dtrain.errors import ConfigError
 
 
 class ExperimentConfig(Section):
@@ -22,11 +24,14 @@ class ExperimentConfig(Section):
                                                         "entry")
     description: str = Field(default="", description="free text kept with the run in the store")
     labels: list[str] = Field(default_factory=list, description=DETERMINED_ONLY)
-    entrypoint: str = Field(description="the Trial class: `module:Class` (module next to the experiment file) or "
-                                        "`path/file.py:Class`")
+    entrypoint: str | list[str] = Field(
+        description="the Trial class (`module:Class`, module next to the experiment file, or `path/file.py:Class`; "
+        "dtrain's Trial or Determined's PyTorchTrial), or a command started on each slot in the experiment file's "
+        "directory (`python3 train.py`, optionally behind `python3 -m determined.launch.torch_distributed`)")
     hyperparameters: dict[str, Any] = Field(
-        description="constants (or `{type: const, val: x}`) given to the Trial; `global_batch_size` (records per "
-        "step over all workers) is required")
+        default_factory=dict,
+        description="constants (or `{type: const, val: x}`) given to the Trial; a Trial class needs "
+        "`global_batch_size` (records per step over all workers); a command needs none")
     resources: Resources = Field(default_factory=Resources, description="worker processes")
     searcher: Searcher = Field(description="training length and the metric that picks the best checkpoint")
     records_per_epoch: int = Field(default=0, ge=0, description="records in an epoch for lengths in epochs; 0 means "
@@ -72,15 +77,39 @@ class ExperimentConfig(Section):
 
     @field_validator("entrypoint")
     @classmethod
-    def _entrypoint_shape(cls, value: str) -> str:
-        module, sep, qualname = value.partition(":")
-        if not sep or not module or not qualname:
-            raise ValueError(f"entrypoint {value!r} must name a Trial class as `module:Class` or `file.py:Class`; "
-                             "write e.g. `entrypoint: model_def:MyTrial`")
+    def _entrypoint_shape(cls, value: str | list[str]) -> str | list[str]:
+        parse_entrypoint(value)
         return value
+
+    @property
+    def entry(self) -> Entrypoint:
+        """What `entrypoint` names: a Trial class, or a command (Determined's launch layer taken off)."""
+        return parse_entrypoint(self.entrypoint)
+
+    @property
+    def is_command(self) -> bool:
+        """True when `entrypoint` is a command that dtrain starts on each slot rather than a Trial class."""
+        return self.entry.is_command
+
+    @property
+    def training_length(self) -> Length:
+        """`searcher.max_length`, which a Trial class needs (checked when the file is loaded)."""
+        if self.searcher.max_length is None:
+            raise ConfigError("searcher.max_length is required for a Trial class entrypoint; add e.g. "
+                              "`max_length: {epochs: 1}` under searcher")
+        return self.searcher.max_length
+
+    @model_validator(mode="after")
+    def _class_needs_length(self) -> ExperimentConfig:
+        if not self.is_command and self.searcher.max_length is None:
+            raise ValueError("searcher.max_length is required for a Trial class entrypoint (a command sets its own "
+                             "length); add e.g. `max_length: {epochs: 1}` under searcher")
+        return self
 
     @model_validator(mode="after")
     def _global_batch_size(self) -> ExperimentConfig:
+        if self.is_command:  # the script batches its own data; a global_batch_size is only its hyperparameter
+            return self
         gbs = self.hyperparameters.get("global_batch_size")
         if gbs is None:
             raise ValueError("hyperparameters.global_batch_size is required (records per training step over all "

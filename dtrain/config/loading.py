@@ -128,6 +128,8 @@ def dump_config(config: ExperimentConfig) -> str:
 
 def _remainder_warnings(config: ExperimentConfig) -> list[str]:
     """The warning that the global batch does not split evenly over the slots, if it does not."""
+    if config.is_command:
+        return []
     gbs, world = config.global_batch_size, config.resources.world_size
     if gbs % world:
         used = gbs // world * world

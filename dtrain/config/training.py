@@ -36,7 +36,10 @@ class Searcher(Section):
     metric: str = Field(default="validation_loss", description="the validation metric that picks the best "
                         "checkpoint (`validation_` prefix optional)")
     smaller_is_better: bool = Field(default=True, description="whether a smaller `metric` is better")
-    max_length: Length = Field(description="training length: `{batches: N}`, `{records: N}` or `{epochs: N}`")
+    max_length: Length | None = Field(
+        default=None, description="training length: `{batches: N}`, `{records: N}`, `{epochs: N}` or a bare number "
+        "(batches; Determined's Core API lengths have no unit); required for a Trial class, optional for a command, "
+        "which sets its own length")
     source_trial_id: int | None = Field(default=None, description=DETERMINED_ONLY)
     source_checkpoint_uuid: str | None = Field(default=None, description=DETERMINED_ONLY)
 

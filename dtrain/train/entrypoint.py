@@ -1,5 +1,8 @@
 """Find the user's Trial class from `entrypoint` (`module:Class` or `path/file.py:Class`).
 
+A class of another API that dtrain runs through an adapter (Determined's PyTorchTrial) says so with a
+`__dtrain_trial__()` classmethod that returns the dtrain Trial class to train.
+
 Code is imported only from where the user points: the experiment file's directory for a module name,
 or the named file (its directory is put first on sys.path so that it can import its siblings).
 """
@@ -31,6 +34,9 @@ def load_trial_class(entrypoint: str, base_dir: Path) -> type[Trial]:
             hint = f"Trial classes there: {', '.join(names)}" if names else "it defines no Trial subclass"
             raise TrialError(f"entrypoint {entrypoint!r}: {module_name} has no attribute `{qualname}`; {hint}")
         obj = getattr(obj, part)
+    adapt = getattr(obj, "__dtrain_trial__", None)
+    if isinstance(obj, type) and callable(adapt):  # another API's trial class (Determined's PyTorchTrial)
+        obj = adapt()
     if not (isinstance(obj, type) and issubclass(obj, Trial)):
         raise TrialError(f"entrypoint {entrypoint!r} names {obj!r}, which is not a subclass of dtrain.Trial; "
                          "define `class MyTrial(dtrain.Trial)` and name it")

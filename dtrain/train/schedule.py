@@ -87,7 +87,7 @@ def resolve_schedule(config: ExperimentConfig, num_records: int, split: BatchSpl
     def batches(length: Length) -> int:
         return length.value if length.unit == "batches" else plan.first_step_reaching(length.value, length.unit)
 
-    return Schedule(total_batches=batches(config.searcher.max_length), batches_per_epoch=per_epoch,
+    return Schedule(total_batches=batches(config.training_length), batches_per_epoch=per_epoch,
                     data_batches_per_epoch=data_batches, validation_every=batches(config.min_validation_period),
                     checkpoint_every=batches(config.min_checkpoint_period), plan=plan,
                     validation_period=config.min_validation_period, checkpoint_period=config.min_checkpoint_period,

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from dtrain.comm import Topology, broadcast_object
+from dtrain.comm import Topology, any_rank, broadcast_object
 from dtrain.config import ExperimentConfig
 from dtrain.data.sharding import BatchSplit, split_by_sizes
 from dtrain.data.synthetic import synthetic_replay
@@ -116,7 +116,8 @@ class Trainer:
             hparams=config.hyperparameters, rank=topology.rank, world_size=topology.world_size,
             local_rank=topology.local_rank, batch_split=split, device=topology.device, seed=self.seed,
             data_config=config.data, run_dir=self.run_dir, config_dir=run_info.config_dir,
-            aggregation_frequency=config.optimizations.aggregation_frequency, **(context_overrides or {}))
+            aggregation_frequency=config.optimizations.aggregation_frequency, experiment_config=config,
+            **(context_overrides or {}))
         self.trial = trial_class(self.context)
         self.status = "running"
         self.stop_advisor = stop_advisor
@@ -290,6 +291,7 @@ class Trainer:
     def _forward_backward(self, step: int, *, communicate: bool) -> Mapping[str, Any]:
         """Load batch `step`, run forward and backward (the strategy's stage or the default one), add its metrics
         to the update's; return the Trial's outputs."""
+        self.context.batches_trained = step - 1
         with self.profiler.phase("data"):
             self.callbacks.before_step(step)
             batch = move_to_device(next(self.batch_stream), self.topology.device, self.channels_last)
@@ -377,6 +379,9 @@ class Trainer:
             advice = self._advice(step, metric)
             if advice is not None and stop is None and step < self.schedule.total_batches:
                 stop, self.stopped_by = "stopped", advice
+        if stop is None and self.trial.may_request_stop and update is not None and step < self.schedule.total_batches \
+                and (validated or self.schedule.report_due(step)) and any_rank(self.context.stop_requested):
+            stop = "requested"
         due = update is not None and self.checkpointer.policy.due(
             step, validated=validated, metric=metric, validations=self.state.validation_history)
         if stop is not None or due:
@@ -432,8 +437,10 @@ class Trainer:
         return "stopped" if self.schedule.stop_requested(step) else None
 
     def _stop(self, status: str, step: int) -> None:
-        self.status = status
-        if status == "interrupted":
+        self.status = "completed" if status == "requested" else status
+        if status == "requested":
+            self.progress.note(f"stopped after batch {step} as the trial asked (set_stop_requested); completed")
+        elif status == "interrupted":
             received = self.stop.received
             self.progress.note(f"{received.name if received else 'a signal'}: stopped after batch {step} with a "
                                "checkpoint; run the same command again to resume")

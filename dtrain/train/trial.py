@@ -11,7 +11,7 @@ import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -39,6 +39,9 @@ class TrialContext:
     total_batches: int | None = None
     aggregation_frequency: int = 1  # of the current batch-size phase
     optimizer_steps_total: int | None = None  # set by the Trainer (a batch-size schedule changes it)
+    batches_trained: int = 0  # batches trained before the one train_batch is on (kept current by the Trainer)
+    stop_requested: bool = False  # set by the Trial to end the run at the next report or validation
+    experiment_config: Any = None  # the whole ExperimentConfig (for adapters of other APIs)
 
     @property
     def per_slot_batch_size(self) -> int:
@@ -86,6 +89,10 @@ class Trial:
     the Trainer runs backward, synchronization and the optimizer step. `evaluate_batch` returns metrics
     that are means over its batch; the Trainer weights them by batch size across batches and ranks.
     """
+
+    # True for a Trial that may set `context.stop_requested` (the ranks then agree on it at each report and
+    # validation: one small all-reduce there, which Trials that never ask to stop do not pay)
+    may_request_stop: ClassVar[bool] = False
 
     def __init__(self, context: TrialContext) -> None:
         self.context = context

@@ -23,9 +23,10 @@ DTRAIN = Path(__file__).resolve().parents[2] / "dtrain"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("dtrain", "cli"),  # the `dtrain` command: builds its parser from the command registry
     ("commands",),  # one module per subcommand
-    ("launch", "worker", "diagnose", "calibrate", "horovod", "search", "svm"),  # processes, the tools that drive
-    # runs or time a machine, Horovod's API (it drives its own processes and collectives), hyperparameter search,
-    # the SVM (its own solver and the runner a worker runs instead of the Trainer)
+    ("launch", "worker", "diagnose", "calibrate", "horovod", "search", "svm", "determined"),  # processes, the
+    # tools that drive runs or time a machine, Horovod's API (it drives its own processes and collectives),
+    # hyperparameter search, the SVM (its own solver and the runner a worker runs instead of the Trainer),
+    # Determined's training APIs (they drive dtrain's Trainer or run a command on each slot)
     ("train",),  # the Trial API and the Trainer
     ("sync", "optim", "profile", "data"),  # what the Trainer is made of
     ("comm", "compress", "config", "runs"),  # torch.distributed, compressors, the config schema, run files

@@ -1,0 +1,216 @@
+"""The dtrain Trial that trains a Determined `PyTorchTrial`: dtrain's Trainer runs it like any Trial, so restarts,
+checkpoints, the store, TensorBoard, `distributed:` strategies, `large_batch:` and `faults:` apply unchanged.
+
+The PyTorchTrial is built in the adapter's `__init__` (Determined builds the trial before its data loaders);
+its wrapped model and optimizer are what `build_model`/`build_optimizer` return, the datasets of its data loaders
+are what dtrain shards, and its train_batch runs inside the adapter's, with the context recording the loss given
+to `context.backward` (see `context.py`)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, cast
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from dtrain.determined.context import PyTorchTrialContext
+from dtrain.determined.pytorch import DataLoader, LRScheduler, PyTorchCallback, PyTorchTrial
+from dtrain.errors import TrialError
+from dtrain.train.trial import Trial, TrialContext
+
+_ADAPTERS: dict[type[PyTorchTrial], type[DeterminedTrial]] = {}
+
+
+def adapter_for(trial_class: type[PyTorchTrial]) -> type[Trial]:
+    """The dtrain Trial class that trains `trial_class` (one per class)."""
+    if trial_class not in _ADAPTERS:
+        _ADAPTERS[trial_class] = type(f"{trial_class.__name__}OnDtrain", (DeterminedTrial,),
+                                      {"pytorch_trial_class": trial_class, "__module__": __name__})
+    return _ADAPTERS[trial_class]
+
+
+class DeterminedTrial(Trial):
+    """A dtrain Trial around one PyTorchTrial; subclasses made by `adapter_for` name the class."""
+
+    pytorch_trial_class: ClassVar[type[PyTorchTrial]]
+    may_request_stop = True  # context.set_stop_requested()
+
+    def __init__(self, context: TrialContext, *, det_context: PyTorchTrialContext | None = None,
+                 det_trial: PyTorchTrial | None = None) -> None:
+        super().__init__(context)
+        if context.experiment_config is None:
+            raise TrialError("a PyTorchTrial needs the experiment config in its context; run it with `dtrain run`")
+        if det_context is None:
+            det_context = PyTorchTrialContext(context, context.experiment_config)
+        else:
+            det_context._bind(context)
+        self.det_context = det_context
+        self.det_trial = det_trial if det_trial is not None else self.pytorch_trial_class(det_context)
+        trial_type = type(self.det_trial)
+        if _overrides(trial_type, "evaluate_full_dataset") and not _overrides(trial_type, "evaluate_batch"):
+            raise TrialError(f"{trial_type.__name__} implements evaluate_full_dataset, which dtrain does not run (it "
+                             "shards validation over the ranks); implement evaluate_batch(batch) instead")
+        self._evaluate_takes_index = _takes_batch_idx(self.det_trial.evaluate_batch)
+        self._eval_index = 0
+        callbacks = self.det_trial.build_callbacks() or {}
+        if not isinstance(callbacks, Mapping):
+            raise TrialError("build_callbacks() must return a dict {name: PyTorchCallback}")
+        self.callbacks: list[PyTorchCallback] = list(callbacks.values())
+        self._started = False
+        self._training = True
+
+    # ------------------------------------------------------------------------------- build
+
+    def build_training_data(self) -> Dataset:
+        return _dataset(self.det_trial.build_training_data_loader(), "build_training_data_loader")
+
+    def build_validation_data(self) -> Dataset:
+        return _dataset(self.det_trial.build_validation_data_loader(), "build_validation_data_loader")
+
+    def build_model(self) -> nn.Module:
+        name = type(self.det_trial).__name__
+        if not self.det_context.models:
+            raise TrialError(f"{name}.__init__ never called context.wrap_model(model); write "
+                             "`self.model = context.wrap_model(model)` there")
+        if not self.det_context.optimizers:
+            raise TrialError(f"{name}.__init__ never called context.wrap_optimizer(optimizer); write "
+                             "`self.opt = context.wrap_optimizer(torch.optim.SGD(self.model.parameters(), ...))`")
+        return self.det_context.models[0]
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        optimizer = self.det_context.optimizers[0]
+        ours = {id(p) for p in model.parameters()}
+        if any(id(p) not in ours for group in optimizer.param_groups for p in group["params"]):
+            raise TrialError("the optimizer given to context.wrap_optimizer() optimizes parameters that are not the "
+                             "wrapped model's; build it over the model context.wrap_model() returned")
+        return optimizer
+
+    def build_lr_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
+        del optimizer
+        if not self.det_context.lr_schedulers:
+            return None
+        return cast(torch.optim.lr_scheduler.LRScheduler,
+                    _SchedulerSteps(self.det_context.lr_schedulers[0], self.context))
+
+    # -------------------------------------------------------------------------------- train
+
+    def train_batch(self, batch: Any, model: nn.Module) -> dict[str, Any]:
+        """The PyTorchTrial's train_batch, calls to its model going through `model` (the strategy's wrapper);
+        returns its metrics with `loss` the loss it gave to context.backward."""
+        index = self.context.batches_trained
+        self._training = True
+        if not self._started:
+            self._started = True
+            for callback in self.callbacks:
+                callback.on_training_start()
+        per_epoch = max(int(self.context.batches_per_epoch or 1), 1)
+        epoch = index // per_epoch
+        if index % per_epoch == 0:
+            for callback in self.callbacks:
+                callback.on_training_epoch_start(epoch)
+        self.det_context._start_batch(model, index)
+        try:
+            returned = self.det_trial.train_batch(batch, epoch, index)
+        finally:
+            self.det_context._forward_target = None
+        loss = self.det_context._end_batch()
+        if (index + 1) % per_epoch == 0:
+            for callback in self.callbacks:
+                callback.on_training_epoch_end(epoch)
+        return {**_metrics(returned, "train_batch"), "loss": loss}
+
+    def evaluate_batch(self, batch: Any, model: nn.Module) -> dict[str, Any]:
+        del model  # the wrapped model is the user's own module, in eval mode now
+        if self._training:
+            self._training, self._eval_index = False, 0
+            for callback in self.callbacks:
+                callback.on_validation_start()
+        if self._evaluate_takes_index:
+            returned = self.det_trial.evaluate_batch(batch, self._eval_index)
+        else:
+            returned = self.det_trial.evaluate_batch(batch)  # type: ignore[call-arg]
+        self._eval_index += 1
+        return _metrics(returned, "evaluate_batch")
+
+
+class _SchedulerSteps:
+    """The scheduler as dtrain steps it (once per global batch trained), stepping the user's scheduler as its
+    `StepMode` says; its state (with the count) goes into dtrain's checkpoints."""
+
+    def __init__(self, wrapped: LRScheduler, context: TrialContext) -> None:
+        self.wrapped, self.context, self.batches = wrapped, context, 0
+
+    def step(self) -> None:
+        self.batches += 1
+        mode, every = self.wrapped._step_mode, max(self.wrapped._frequency, 1)
+        if mode is LRScheduler.StepMode.MANUAL_STEP:
+            return
+        if mode is LRScheduler.StepMode.STEP_EVERY_BATCH:
+            period = every
+        elif mode is LRScheduler.StepMode.STEP_EVERY_OPTIMIZER_STEP:
+            period = every * max(self.context.aggregation_frequency, 1)
+        else:
+            period = every * max(int(self.context.batches_per_epoch or 1), 1)
+        if self.batches % period == 0:
+            self.wrapped.scheduler.step()
+
+    def get_last_lr(self) -> list[float]:
+        return self.wrapped.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batches": self.batches, "scheduler": self.wrapped.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.batches = int(state["batches"])
+        self.wrapped.load_state_dict(state["scheduler"])
+
+
+class _Collated(Dataset):
+    """A dataset whose batches go through the trial's `collate_fn` (dtrain asks it for whole batches)."""
+
+    def __init__(self, dataset: Any, collate_fn: Callable[[list[Any]], Any]) -> None:
+        self.dataset, self.collate_fn = dataset, collate_fn
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]) -> Any:
+        return self.collate_fn([self.dataset[i] for i in indices])
+
+
+def _dataset(loader: Any, method: str) -> Dataset:
+    """The dataset a data loader holds (dtrain shards and batches it); a collate_fn is kept."""
+    if isinstance(loader, (DataLoader, torch.utils.data.DataLoader)):
+        dataset, collate = loader.dataset, loader.collate_fn
+        if isinstance(loader, torch.utils.data.DataLoader) and collate is torch.utils.data.default_collate:
+            collate = None
+        return _Collated(dataset, collate) if collate is not None else dataset
+    raise TrialError(f"{method}() returned {type(loader).__name__}; return a determined.pytorch.DataLoader("
+                     "dataset, batch_size=context.get_per_slot_batch_size())")
+
+
+def _metrics(returned: Any, method: str) -> dict[str, Any]:
+    if isinstance(returned, torch.Tensor):
+        return {"loss": returned}
+    if isinstance(returned, Mapping):
+        return dict(returned)
+    raise TrialError(f"{method}() returned {type(returned).__name__}; return a dict of metrics (or the loss tensor)")
+
+
+def _overrides(cls: type, name: str) -> bool:
+    return getattr(cls, name) is not getattr(PyTorchTrial, name)
+
+
+def _takes_batch_idx(method: Callable[..., Any]) -> bool:
+    try:
+        parameters = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in parameters)

@@ -1,0 +1,285 @@
+"""Determined's `PyTorchTrialContext` on dtrain's Trainer.
+
+dtrain's loop owns backward, synchronization and the optimizer step; a PyTorchTrial asks for them itself
+(`context.backward(loss)`, `context.step_optimizer(optimizer)`). The context keeps Determined's meaning by
+recording what train_batch asks for and letting the Trainer do it at the same point: `backward` collects the loss
+(the Trainer runs backward on it, scaled for `aggregation_frequency`/`average_aggregated_gradients`, under the
+strategy's no_sync between updates, exactly as `backward` and `step_optimizer` do in Determined), and
+`step_optimizer` names the optimizer to step and the `clip_grads` to apply to the synchronized gradients just
+before the step. `wrap_model` returns the user's own module; while train_batch runs, calling it goes through the
+strategy's wrapper (DDP), which is what synchronizes the gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from dtrain.determined.distributed import DistributedContext
+from dtrain.determined.pytorch import LRScheduler, MetricReducer
+from dtrain.errors import TrialError
+
+if TYPE_CHECKING:
+    from dtrain.config import ExperimentConfig
+    from dtrain.train.trial import TrialContext
+
+
+class PyTorchTrialContext:
+    """What a PyTorchTrial is given: hyperparameters, batch sizes, ranks, and the wrap/backward/step calls."""
+
+    def __init__(self, trial_context: TrialContext, config: ExperimentConfig, *,
+                 distributed: DistributedContext | None = None) -> None:
+        self._ctx = trial_context
+        self._config = config
+        self.distributed = distributed or DistributedContext(
+            rank=trial_context.rank, size=trial_context.world_size, local_rank=trial_context.local_rank,
+            local_size=trial_context.world_size, cross_rank=0, cross_size=1)
+        self.models: list[nn.Module] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.lr_schedulers: list[LRScheduler] = []
+        self._scaler: Any = None
+        self._forward_target: nn.Module | None = None  # the strategy's wrapper while train_batch runs
+        self._inside_target = False
+        self._loss: torch.Tensor | None = None
+        self._stepped: list[torch.optim.Optimizer] = []
+        self._clip: Callable[[Iterator[nn.Parameter]], None] | None = None
+        self._batch_idx = 0
+        self._stop_requested = False
+        self._tensorboard: Any = None
+
+    def _bind(self, trial_context: TrialContext) -> None:
+        """Use the Trainer's TrialContext from now on (the Trainer API builds this context before the Trainer)."""
+        self._ctx = trial_context
+
+    # --------------------------------------------------------------------------- what the trial may read
+
+    def get_hparams(self) -> dict[str, Any]:
+        return dict(self._ctx.hparams)
+
+    def get_hparam(self, name: str) -> Any:
+        return self._ctx.get_hparam(name)
+
+    def get_per_slot_batch_size(self) -> int:
+        return self._ctx.per_slot_batch_size
+
+    def get_global_batch_size(self) -> int:
+        return self._ctx.global_batch_size
+
+    def get_data_config(self) -> dict[str, Any]:
+        return dict(self._ctx.data_config)
+
+    def get_experiment_config(self) -> dict[str, Any]:
+        return self._config.model_dump(mode="json")
+
+    def get_experiment_id(self) -> int:
+        from dtrain.determined.cluster import get_cluster_info
+
+        info = get_cluster_info()
+        return info.trial.experiment_id if info else 0
+
+    def get_trial_id(self) -> int:
+        from dtrain.determined.cluster import get_cluster_info
+
+        info = get_cluster_info()
+        return info.trial.trial_id if info else 0
+
+    def get_trial_seed(self) -> int:
+        return self._ctx.seed
+
+    @property
+    def device(self) -> torch.device:
+        return self._ctx.device
+
+    def to_device(self, data: Any) -> Any:
+        from dtrain.train.batches import move_to_device
+
+        return move_to_device(data, self._ctx.device)
+
+    def current_train_batch(self) -> int:
+        """Batches trained before the one train_batch is on (Determined's batch_idx)."""
+        return self._batch_idx
+
+    def current_train_epoch(self) -> int:
+        return self._batch_idx // self._batches_per_epoch()
+
+    def _batches_per_epoch(self) -> int:
+        return max(int(self._ctx.batches_per_epoch or 1), 1)
+
+    def is_epoch_start(self) -> bool:
+        return self._batch_idx % self._batches_per_epoch() == 0
+
+    def is_epoch_end(self) -> bool:
+        return (self._batch_idx + 1) % self._batches_per_epoch() == 0
+
+    def get_stop_requested(self) -> bool:
+        return self._stop_requested
+
+    def set_stop_requested(self, stop_requested: bool) -> None:
+        """Ask dtrain to end the trial at its next meeting point (a report or validation), with a checkpoint."""
+        if not isinstance(stop_requested, bool):
+            raise TrialError(f"set_stop_requested({stop_requested!r}): give True or False")
+        self._stop_requested = stop_requested
+        self._ctx.stop_requested = stop_requested
+
+    def get_enable_tensorboard_logging(self) -> bool:
+        return True
+
+    def get_tensorboard_path(self) -> Any:
+        from pathlib import Path
+
+        run_dir = self._ctx.run_dir or Path.cwd()
+        return run_dir / "tensorboard" if self._ctx.rank == 0 else run_dir / "tensorboard" / f"rank-{self._ctx.rank}"
+
+    def get_tensorboard_writer(self) -> Any:
+        """A SummaryWriter into the run's TensorBoard directory (rank 0; other ranks get their own subdirectory)."""
+        if self._tensorboard is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(self.get_tensorboard_path()))
+        return self._tensorboard
+
+    # ------------------------------------------------------------------------------------- wrapping
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        """Register the model; it is returned as is (moved to the device), and while train_batch runs a call to it
+        goes through the strategy's wrapper, which synchronizes the gradients."""
+        if not isinstance(model, nn.Module):
+            raise TrialError(f"wrap_model() got {type(model).__name__}; give it a torch.nn.Module")
+        if self.models:
+            raise TrialError("wrap_model() was called twice: dtrain trains one model per PyTorchTrial (several "
+                             "wrapped models, e.g. a GAN, are not built); put the modules in one nn.Module")
+        model = model.to(self._ctx.device)
+        _route_calls(model, self)
+        self.models.append(model)
+        return model
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, backward_passes_per_step: int = 1,
+                       fp16_compression: bool | None = None,
+                       average_aggregated_gradients: bool | None = None) -> torch.optim.Optimizer:
+        """Register the optimizer dtrain steps. Aggregation comes from the config's `optimizations` section
+        (`aggregation_frequency`, `average_aggregated_gradients`), as in Determined; a different
+        `backward_passes_per_step` here is refused with one line."""
+        del fp16_compression
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TrialError(f"wrap_optimizer() got {type(optimizer).__name__}; give it a torch.optim.Optimizer")
+        if self.optimizers:
+            raise TrialError("wrap_optimizer() was called twice: dtrain steps one optimizer per PyTorchTrial; use "
+                             "one optimizer with several param groups")
+        configured = self._config.optimizations.aggregation_frequency
+        if backward_passes_per_step not in (1, configured):
+            raise TrialError(f"wrap_optimizer(backward_passes_per_step={backward_passes_per_step}) differs from "
+                             f"optimizations.aggregation_frequency ({configured}); set the config key instead")
+        average = self._config.optimizations.average_aggregated_gradients
+        if average_aggregated_gradients is not None and average_aggregated_gradients != average:
+            raise TrialError(f"wrap_optimizer(average_aggregated_gradients={average_aggregated_gradients}) differs "
+                             f"from optimizations.average_aggregated_gradients ({average}); set the config key "
+                             "instead")
+        optimizer.register_step_pre_hook(self._before_optimizer_step)
+        self.optimizers.append(optimizer)
+        return optimizer
+
+    def wrap_lr_scheduler(self, lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
+                          step_mode: LRScheduler.StepMode, frequency: int = 1) -> LRScheduler:
+        """Register the scheduler; dtrain steps it (per batch, per optimizer step or per epoch, every `frequency`)
+        and keeps its state in checkpoints; with MANUAL_STEP the trial steps it and dtrain only checkpoints it."""
+        if self.lr_schedulers:
+            raise TrialError("wrap_lr_scheduler() was called twice: dtrain keeps one LR scheduler per PyTorchTrial")
+        if not isinstance(step_mode, LRScheduler.StepMode):
+            raise TrialError(f"wrap_lr_scheduler(step_mode={step_mode!r}): give a LRScheduler.StepMode")
+        wrapped = LRScheduler(lr_scheduler, step_mode, frequency)
+        self.lr_schedulers.append(wrapped)
+        return wrapped
+
+    def wrap_scaler(self, scaler: Any) -> Any:
+        """Accepted and returned: dtrain's loop does not scale losses (it runs on CPU or in bf16 autocast, where
+        no loss scaling is needed); `backward` and `step_optimizer` ignore it."""
+        self._scaler = scaler
+        return scaler
+
+    def wrap_reducer(self, reducer: Any, name: str | None = None, for_training: bool = False,
+                     for_validation: bool = True) -> Any:
+        del reducer, name, for_training, for_validation
+        raise TrialError("context.wrap_reducer() (a custom MetricReducer) is not built in dtrain; return batch "
+                         "means from evaluate_batch (dtrain averages them by record count over batches and ranks)")
+
+    def experimental(self) -> Any:
+        raise TrialError("context.experimental is not available in dtrain")
+
+    # ------------------------------------------------------------------------- backward and the step
+
+    def backward(self, loss: torch.Tensor, gradient: torch.Tensor | None = None, retain_graph: bool | None = None,
+                 create_graph: bool = False) -> None:
+        """Record the loss; dtrain runs backward on it right after train_batch returns (scaled for gradient
+        aggregation). Several calls in one train_batch add up, as their gradients would."""
+        del retain_graph
+        if gradient is not None or create_graph:
+            raise TrialError("context.backward(gradient=..., create_graph=True) is not supported by dtrain; call "
+                             "context.backward(loss) with a scalar loss")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise TrialError("context.backward(loss): the loss must be a scalar tensor that requires grad")
+        self._loss = loss if self._loss is None else self._loss + loss
+
+    def step_optimizer(self, optimizer: torch.optim.Optimizer,
+                       clip_grads: Callable[[Iterator[nn.Parameter]], None] | None = None,
+                       auto_zero_grads: bool = True, scaler: Any = None) -> None:
+        """Record the step: dtrain steps the optimizer after the update's last batch (every
+        `aggregation_frequency` batches), applies `clip_grads` to the synchronized gradients first, and zeroes
+        the gradients after it."""
+        del auto_zero_grads, scaler
+        if not any(optimizer is wrapped for wrapped in self.optimizers):
+            raise TrialError(f"context.step_optimizer() got a {type(optimizer).__name__} that "
+                             "context.wrap_optimizer() did not return; in __init__ write "
+                             "`self.opt = context.wrap_optimizer(opt)` and step `self.opt`")
+        self._stepped.append(optimizer)
+        self._clip = clip_grads
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """The optimizer's step pre-hook: the trial's clip_grads on the synchronized gradients."""
+        del args, kwargs
+        if self._clip is not None:
+            self._clip(iter(p for group in optimizer.param_groups for p in group["params"]))
+
+    def _start_batch(self, target: nn.Module, batch_idx: int) -> None:
+        self._forward_target, self._batch_idx = target, batch_idx
+        self._loss, self._stepped = None, []
+
+    def _end_batch(self) -> torch.Tensor:
+        """The loss train_batch gave to backward; TrialError when it gave none or stepped no optimizer."""
+        self._forward_target = None
+        loss, self._loss = self._loss, None
+        if loss is None:
+            raise TrialError("train_batch() did not call context.backward(loss); compute the loss, then call "
+                             "context.backward(loss) and context.step_optimizer(optimizer)")
+        if not self._stepped:
+            raise TrialError("train_batch() called context.backward(loss) but not context.step_optimizer(optimizer)"
+                             "; call it after backward with the optimizer wrap_optimizer() returned")
+        return loss
+
+
+def _route_calls(model: nn.Module, context: PyTorchTrialContext) -> None:
+    """Give `model` a class of its own whose `__call__` goes through the strategy's wrapper while train_batch
+    runs (the wrapper calls the module back, which then runs its forward as usual). The model stays the user's
+    object: attributes, parameters, state_dict keys and isinstance checks are unchanged."""
+    base = type(model)
+    if getattr(base, "_dtrain_routed", False):
+        return
+
+    def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        target = context._forward_target
+        if target is not None and not context._inside_target:
+            context._inside_target = True
+            try:
+                return target(*args, **kwargs)
+            finally:
+                context._inside_target = False
+        return base.__call__(self, *args, **kwargs)
+
+    routed = type(base.__name__, (base,), {"__call__": __call__, "_dtrain_routed": True,
+                                           "__module__": base.__module__, "__qualname__": base.__qualname__})
+    model.__class__ = routed
+
+
+__all__ = ["MetricReducer", "PyTorchTrialContext"]
