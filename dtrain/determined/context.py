@@ -62,10 +62,17 @@ class PyTorchTrialContext:
     def get_hparam(self, name: str) -> Any:
         return self._ctx.get_hparam(name)
 
+    def _check_batch_size(self, what: str) -> None:
+        if "global_batch_size" not in self._ctx.hparams:
+            raise TrialError(f"context.{what}() needs hyperparameters.global_batch_size in the experiment file "
+                             "(records per step over all slots); add it, or give the data loader a batch size")
+
     def get_per_slot_batch_size(self) -> int:
+        self._check_batch_size("get_per_slot_batch_size")
         return self._ctx.per_slot_batch_size
 
     def get_global_batch_size(self) -> int:
+        self._check_batch_size("get_global_batch_size")
         return self._ctx.global_batch_size
 
     def get_data_config(self) -> dict[str, Any]:

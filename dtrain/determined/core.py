@@ -152,10 +152,10 @@ class TrainContext:
             if metric is not None:
                 unit = run.link.max_length[1]
                 done = run.progress if run.progress is not None else float(steps_completed)
-                if not run.link.report({unit: done}, metric):
+                reason = run.link.report({unit: done}, metric)
+                if reason is not None:
                     run.searcher_stopped = True
-                    log.warning("the searcher stopped this trial at %s %s (%s %.4g)", done, unit,
-                                run.searcher.get("metric"), metric)
+                    log.warning("the searcher stopped this trial at %s %s: %s", done, unit, reason)
 
     def report_metrics(self, group: str, steps_completed: int, metrics: Mapping[str, Any]) -> None:
         if group == "training":

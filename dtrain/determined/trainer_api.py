@@ -64,16 +64,16 @@ def init(*, hparams: Mapping[str, Any] | None = None, exp_conf: Mapping[str, Any
         run_info = prepare_run_dir(loaded.config, None, Path.cwd())
         os.environ["DTRAIN_RUN_DIR"] = str(run_info.run_dir.resolve())
     config = loaded.config
-    if "global_batch_size" not in config.hyperparameters:
-        raise ConfigError("the Trainer API needs hyperparameters.global_batch_size (records per step over all "
-                          "workers); add it to the experiment file's hyperparameters")
     topology = init_distributed(backend=config.distributed.backend,
                                 timeout_seconds=config.distributed.timeout_seconds)
+    # without hyperparameters.global_batch_size (Determined 0.38 files), the trial's data loader says it: fit()
+    # reads its batch size; until then the context has one record per slot and get_*_batch_size() refuse
+    batch_size = int(config.hyperparameters.get("global_batch_size", topology.world_size))
     seed = config.reproducibility.experiment_seed
     seed_everything(seed)  # the trial's weights, built before fit(), start where dtrain's Trainer would seed them
     trial_context = TrialContext(
         hparams=config.hyperparameters, rank=topology.rank, world_size=topology.world_size,
-        local_rank=topology.local_rank, batch_split=split_global_batch(config.global_batch_size, topology.world_size),
+        local_rank=topology.local_rank, batch_split=split_global_batch(batch_size, topology.world_size),
         device=topology.device, seed=seed, data_config=config.data, run_dir=run_info.run_dir,
         config_dir=run_info.config_dir, aggregation_frequency=config.optimizations.aggregation_frequency,
         experiment_config=config)
@@ -97,6 +97,10 @@ class Trainer:
         if getattr(self.context, "_job", None) is None:
             raise TrialError("Trainer(trial, context): the context must come from `with det.pytorch.init() as "
                              "context:`")
+
+    def _loader_batch_size(self) -> int:
+        """The per-slot batch size of the trial's training data loader (when the file gives no global one)."""
+        return _loader_batch_size_of(self.trial)
 
     def fit(self, checkpoint_period: TrainUnit | None = None, validation_period: TrainUnit | None = None,
             max_length: TrainUnit | None = None, reporting_period: TrainUnit | None = None,
@@ -133,6 +137,8 @@ class Trainer:
             raise ConfigError(f"fit(checkpoint_policy={checkpoint_policy!r}): use best, all or none")
         raw["checkpoint_policy"] = checkpoint_policy
         raw["perform_initial_validation"] = bool(step_zero_validation or raw.get("perform_initial_validation"))
+        if "global_batch_size" not in raw["hyperparameters"]:
+            raw["hyperparameters"]["global_batch_size"] = self._loader_batch_size() * job.topology.world_size
         config = load_config(None, raw=raw).config
         adapter = adapter_for(type(self.trial))
 
@@ -140,11 +146,29 @@ class Trainer:
             return adapter(trial_context, det_context=self.context, det_trial=self.trial)  # type: ignore[call-arg]
 
         trainer = DtrainTrainer(config=config, trial_class=build,  # type: ignore[arg-type]
-                                topology=job.topology, run_info=job.run_info)
+                                topology=job.topology, run_info=job.run_info,
+                                stop_advisor=_search_advisor(job.run_info.run_dir))
         summary = trainer.fit()
         if trainer.status == "interrupted":
             raise SystemExit(130)
         return summary
+
+
+def _search_advisor(run_dir: Path) -> Any:
+    """The searcher's stop advisor when the run is a trial of a search (adaptive ASHA stops it after a validation)."""
+    from dtrain.search.link import LinkAdvisor, SearchLink
+
+    link = SearchLink.from_run_dir(run_dir)
+    return LinkAdvisor(link) if link is not None else None
+
+
+def _loader_batch_size_of(trial: PyTorchTrial) -> int:
+    loader = trial.build_training_data_loader()
+    size = getattr(loader, "batch_size", None)
+    if not isinstance(size, int) or size < 1:
+        raise ConfigError("the experiment file has no hyperparameters.global_batch_size and the training data "
+                          "loader no batch_size; give one of them")
+    return size
 
 
 def _length(unit: TrainUnit, name: str) -> dict[str, int]:

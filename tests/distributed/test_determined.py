@@ -110,3 +110,36 @@ def test_core_api_metrics_reach_the_store(runs: dict[str, tuple[Path, subprocess
     summary = _completed(runs, "core-2")
     assert [entry["step"] for entry in summary["validation_history"]] == [4, 8, 12]  # type: ignore[union-attr]
     assert float(summary["validation"]["validation_loss"]) < 0.5  # type: ignore[index]
+
+
+def test_adaptive_asha_stops_trainer_api_trials_exactly_where_the_searcher_says(tmp_path: Path) -> None:
+    """A search over the Trainer-API script, one trial at a time: each trial the searcher stopped ended at the rung
+    whose record stopped it (status `stopped`, its checkpoint kept), the others trained to max_time; the
+    decisions replay from the rung values in the study by Determined's rule."""
+    import optuna
+
+    from dtrain.search import asha
+
+    search_dir = tmp_path / "asha"
+    env = {k: v for k, v in os.environ.items() if k not in ("DTRAIN_LAUNCHER", "DTRAIN_RUN_DIR")}
+    env["DTRAIN_RUNS_ROOT"] = str(tmp_path / "runs")
+    done = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", str(TRIALS / "asha.yaml"), "--slots", "1",
+                           "--search-dir", str(search_dir)], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert asha.plan(3, 4, 2, 5, "aggressive")[0].units == (2, 4)
+    study = optuna.load_study(study_name="determined_trainer_asha", storage=f"sqlite:///{search_dir / 'study.db'}")
+    trials = sorted(study.get_trials(), key=lambda t: t.number)
+    assert len(trials) == 3
+    rung = asha.Rung()
+    for t in trials:  # one at a time: the order of the trials is the order of the rung records
+        expected = "completed" if rung.continue_training(t.user_attrs["rung_0"], 2, smaller_is_better=True) \
+            else "stopped"
+        summary = json.loads((search_dir / f"trial-{t.number}" / "summary.json").read_text())
+        if expected == "stopped":
+            assert t.state == optuna.trial.TrialState.PRUNED, t.number
+            assert summary["status"] == "stopped" and summary["steps_completed"] == 2, summary
+            assert (search_dir / f"trial-{t.number}" / "checkpoints" / "step-2").is_dir()
+        else:
+            assert t.state == optuna.trial.TrialState.COMPLETE, t.number
+            assert summary["status"] == "completed" and summary["steps_completed"] == 4, summary
+    assert any(t.state == optuna.trial.TrialState.PRUNED for t in trials)
