@@ -62,13 +62,20 @@ def run_experiment(args: argparse.Namespace) -> int:
     from dtrain.config import check_buildable, load_config
     from dtrain.determined.command import check_command
     from dtrain.determined.entrypoint import load_trial
+    from dtrain.determined.experiment import single_searcher_draw
     from dtrain.launch import NodeSpec, launch_workers
     from dtrain.runs.rundir import SUMMARY_FILE, prepare_run_dir, read_summary, write_json_atomic
     from dtrain.runs.store import RunStore
     from dtrain.search.runner import is_search, raw_config
 
-    if is_search(raw_config(args.config, args.overrides)):
+    raw = raw_config(args.config, args.overrides)
+    if is_search(raw):
         return _run_search(args)
+    drawn = single_searcher_draw(raw)
+    if drawn:  # Determined's single searcher over ranges trains one trial with values drawn from them
+        print("dtrain: searcher single over hyperparameter ranges: drew " + ", ".join(
+            d.removeprefix("hyperparameters.") for d in drawn) + " (reproducibility.experiment_seed)", file=sys.stderr)
+        args.overrides = [*args.overrides, *drawn]
     if any(value is not None for value in (args.slots, args.search_dir, args.storage, args.study)):
         raise ConfigError("--slots, --search-dir, --storage and --study are for a search (searcher random, grid, "
                           "adaptive_asha or optuna); this experiment's searcher is single: drop them")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import importlib
 import json
 import logging
 import math
@@ -116,11 +115,9 @@ class _Run:
 
 def _search_link(run_dir: Path) -> Any:
     """The trial's link to its search (dtrain.search.link), or None outside a search."""
-    try:
-        module = importlib.import_module("dtrain.search.link")
-    except ImportError:
-        return None
-    return module.SearchLink.from_run_dir(run_dir)
+    from dtrain.search.link import SearchLink
+
+    return SearchLink.from_run_dir(run_dir)
 
 
 class TrainContext:

@@ -42,6 +42,8 @@ RAW: dict[str, Any] = {
 def _trials_on_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     install_import_path()
     monkeypatch.syspath_prepend(str(TRIALS))
+    for name in ("model_def", "data", "native"):  # Determined's module names: other tests import their own
+        monkeypatch.delitem(sys.modules, name, raising=False)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
