@@ -56,6 +56,7 @@ test-root: setup
 
 bench: setup
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/demo_vs_ddp.py
+	flock /tmp/dtrain-bench.lock $(PY) benchmarks/step_ab.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/sync_vs_ddp.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/large_batch.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/plan_validation.py

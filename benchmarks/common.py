@@ -89,17 +89,18 @@ def write_results(name: str, headline: dict[str, Any], rows: list[dict[str, Any]
 
 
 def alternate(variants: Sequence[tuple[str, Callable[[int], dict[str, Any]]]], repeats: int,
-              log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Run A, B, (C...), A, B, ... `repeats` times, so that drift in machine load hits every variant alike."""
+              log: Callable[[str], None] = print, first: int = 0) -> list[dict[str, Any]]:
+    """Run A, B, (C...), C, B, A, ... `repeats` times, so that drift in machine load hits every variant alike
+    (rounds numbered from `first`: a benchmark run in pieces continues the order)."""
     rows = []
-    for repeat in range(repeats):
+    for repeat in range(first, first + repeats):
         order = variants if repeat % 2 == 0 else list(reversed(variants))
         for label, run in order:
-            log(f"[{repeat + 1}/{repeats}] {label} ...")
+            log(f"[{repeat + 1}/{first + repeats}] {label} ...")
             row = run(repeat)
             row.update(variant=label, repeat=repeat)
             rows.append(row)
-            log(f"[{repeat + 1}/{repeats}] {label}: " + ", ".join(
+            log(f"[{repeat + 1}/{first + repeats}] {label}: " + ", ".join(
                 f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
                 if k not in ("variant", "repeat", "history")))
     return rows

@@ -20,6 +20,10 @@ torch.save of model and optimizer on rank 0.
 
     python benchmarks/demo_vs_ddp.py            # 3 rounds of 3 variants, about 25 minutes
     python benchmarks/demo_vs_ddp.py --quick    # 1 round of 3-epoch runs, target 88%
+
+On a shared machine the rounds can be run in pieces, each under its own benchmark lock, so that others can
+benchmark in between: `--workdir DIR --rounds-now 1` runs one more round and keeps its rows in DIR; the call that
+completes `--repeats` rounds writes the results. Every piece must measure the same commit.
 """
 
 from __future__ import annotations
@@ -150,6 +154,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, help="epochs per run (default: the demo's 8; 3 with --quick)")
     parser.add_argument("--target", type=float, help="accuracy target (default 0.91; 0.88 with --quick)")
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up runs")
+    parser.add_argument("--workdir", type=Path, help="keep the rows of finished rounds here, to run in pieces")
+    parser.add_argument("--rounds-now", type=int,
+                        help="with --workdir: run at most this many more rounds now (default: all that remain)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint-dir", type=Path, help=argparse.SUPPRESS)
@@ -159,21 +166,51 @@ def main() -> None:
     if args.worker:
         hand_written_worker(epochs, args.out, args.checkpoint_dir, args.channels_last)
         return
-    from common import alternate, machine_info, markdown_table, median, ratio_headline, rounds_of, write_results
+    from common import (
+        STARTED,
+        alternate,
+        machine_info,
+        markdown_table,
+        median,
+        ratio_headline,
+        rounds_of,
+        write_results,
+    )
 
     target = args.target or (0.88 if args.quick else 0.91)
     repeats = 1 if args.quick else args.repeats
     labels = ("dtrain", "hand-written DDP, channels_last", "hand-written DDP, contiguous")
+    kept = Path(args.workdir) / "rows.json" if args.workdir else None
+    done: list[dict[str, Any]] = []
+    if kept is not None and kept.is_file():
+        earlier = json.loads(kept.read_text())
+        if (earlier["commit"], earlier["dirty"], earlier["epochs"]) != (STARTED["commit"], STARTED["dirty"], epochs):
+            raise SystemExit(f"{kept} holds rounds of commit {earlier['commit']} (dirty {earlier['dirty']}, "
+                             f"{earlier['epochs']} epochs); this is {STARTED['commit']} (dirty {STARTED['dirty']}, "
+                             f"{epochs} epochs): use another --workdir")
+        done = earlier["rows"]
+    first = len({r["repeat"] for r in done})
+    now = min(repeats - first, args.rounds_now if args.rounds_now is not None else repeats)
     with tempfile.TemporaryDirectory(prefix="demo_vs_ddp-") as tmp:
         workdir = Path(tmp)
         variants = [(labels[0], lambda r: run_dtrain(epochs, target, workdir, r)),
                     (labels[1], lambda r: run_hand_written(epochs, target, workdir, r, channels_last=True)),
                     (labels[2], lambda r: run_hand_written(epochs, target, workdir, r, channels_last=False))]
-        if not args.no_warmup:
+        if not args.no_warmup and now > 0:
             print("warm-up (untimed): one epoch of each")
             run_dtrain(1, 0.0, workdir, -1)
             run_hand_written(1, 0.0, workdir, -1, channels_last=True)
-        rows = alternate(variants, repeats)
+        fresh = alternate(variants, now, first=first)
+        for row in fresh:  # a benchmark run in pieces: when and under what load each round ran
+            row.update(piece_started=STARTED["date"], piece_load_average=STARTED["load_average"])
+        rows = done + fresh
+    if kept is not None:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(json.dumps({"commit": STARTED["commit"], "dirty": STARTED["dirty"], "epochs": epochs,
+                                    "rows": rows}))
+    if len({r["repeat"] for r in rows}) < repeats:
+        print(f"{len({r['repeat'] for r in rows})} of {repeats} rounds done; run again with --workdir {args.workdir}")
+        return
     reached = all(r["time_to_target_s"] is not None for r in rows)
     pct = f"{target:.0%}"
     headline: dict[str, Any] = {"target_accuracy": target, "epochs": epochs, "repeats": repeats,
