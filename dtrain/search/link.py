@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dtrain.runs.rundir import SEARCH_LINK_FILE as LINK_FILE
+from dtrain.search.study import rdb_storage, storage_lock
 
 STOPPED = "stopped_by_searcher"
 INVALID = "invalid_hp"
@@ -116,7 +118,7 @@ class SearchLink:
 
         if self._study is None:
             optuna.logging.set_verbosity(optuna.logging.WARNING)
-            self._storage = optuna.storages.RDBStorage(self.record.storage)
+            self._storage = rdb_storage(self.record.storage)
             self._study = optuna.load_study(study_name=self.record.study_name, storage=self._storage,
                                             pruner=make_pruner(self.record.rule))
         return self._study, self._storage
@@ -156,22 +158,24 @@ class SearchLink:
         rungs: list[int] = list(rule["rungs"])
         divisor = float(rule["divisor"])
         bracket = frozen.user_attrs.get(BRACKET, rule.get("bracket", 0))
-        peers = None
-        for index, needed in enumerate(rungs):
-            key = rung_attr(index)
-            if reached < needed or key in frozen.user_attrs:
-                continue
-            trial.set_user_attr(key, metric)
-            if index == len(rungs) - 1:
-                break  # the top rung: the trial has trained to max_time and completes
-            if peers is None:
-                peers = [t for t in study.get_trials(deepcopy=False) if t._trial_id != self.record.trial_id
-                         and t.user_attrs.get(BRACKET, 0) == bracket and not t.user_attrs.get(INVALID)]
-            others = [float(t.user_attrs[key]) for t in peers if key in t.user_attrs]
-            if not rung_continues(metric, others, divisor, self.record.smaller_is_better):
-                keep = max(int((len(others) + 1) / divisor), 1)
-                return (f"not in the top {keep} of {len(others) + 1} at rung {index + 1} ({needed} "
-                        f"{self.record.time_metric}): {self.record.metric} {metric:.4f}")
+        if not any(reached >= needed and rung_attr(i) not in frozen.user_attrs for i, needed in enumerate(rungs)):
+            return None
+        with storage_lock(self.record.storage):  # one rung decision at a time, as Determined's master takes them
+            peers = [t for t in study.get_trials(deepcopy=False) if t._trial_id != self.record.trial_id
+                     and t.user_attrs.get(BRACKET, 0) == bracket and not t.user_attrs.get(INVALID)]
+            for index, needed in enumerate(rungs):
+                key = rung_attr(index)
+                if reached < needed or key in frozen.user_attrs:
+                    continue
+                trial.set_user_attr(key, metric)
+                trial.set_user_attr(f"{key}_at", time.time())  # the order of the rung's records
+                if index == len(rungs) - 1:
+                    break  # the top rung: the trial has trained to max_time and completes
+                others = [float(t.user_attrs[key]) for t in peers if key in t.user_attrs]
+                if not rung_continues(metric, others, divisor, self.record.smaller_is_better):
+                    keep = max(int((len(others) + 1) / divisor), 1)
+                    return (f"not in the top {keep} of {len(others) + 1} at rung {index + 1} ({needed} "
+                            f"{self.record.time_metric}): {self.record.metric} {metric:.4f}")
         return None
 
 

@@ -277,10 +277,9 @@ class SearchRunner:
         import optuna
 
         experiment_id = self._experiment_id()
-        storage = optuna.storages.RDBStorage(self.storage)
         study = open_study(self.storage, self.study_name, self.spec, self.space, self.seed,
                            make_pruner(self._pruning_rule()))
-        # a fresh storage object per call keeps the study's view current across processes
+        storage = study._storage  # the storage object Optuna built the study on (get_trial by id)
         running: list[Running] = []
         interrupted = False
         last_beat = 0.0

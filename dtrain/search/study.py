@@ -10,9 +10,11 @@ uses the sampler it names.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from dtrain.errors import ConfigError
@@ -74,7 +76,10 @@ def ask(study: Any, spec: SearchSpec, space: Space, seed: int) -> tuple[Any, dic
     """A new trial and its hyperparameters (dotted names). The sampler is seeded by the number of trials in the
     study, so the n-th trial of a seed is the same whether the search ran straight through or was stopped and
     resumed by another process (a sampler seeded once per process would draw the first trials again)."""
-    study.sampler = make_sampler(spec, space, seed * 1_000_003 + len(study.get_trials(deepcopy=False)))
+    gridded = spec.name == "optuna" and spec.sampler == "grid"  # GridSampler: trial n takes grid point n of its
+    # seed's shuffle, so its seed stays the same
+    drawn = 0 if gridded else len(study.get_trials(deepcopy=False))
+    study.sampler = make_sampler(spec, space, seed * 1_000_003 + drawn)
     trial = study.ask()
     return trial, suggest(space, trial)
 
@@ -86,13 +91,48 @@ def total_trials(spec: SearchSpec, space: Space) -> int:
     return spec.max_trials
 
 
+def rdb_storage(url: str) -> Any:
+    """Optuna's RDB storage at `url`. Processes that start on a new SQLite file at the same moment race to create
+    its tables (one of them meets a UNIQUE constraint in alembic's version table): try again, the tables exist
+    by then."""
+    import optuna
+    import sqlalchemy.exc
+
+    for attempt in range(6):
+        try:
+            return optuna.storages.RDBStorage(url)
+        except sqlalchemy.exc.SQLAlchemyError:
+            if attempt == 5:
+                raise
+            time.sleep(0.3 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def storage_lock(url: str) -> Iterator[None]:
+    """Serialize a read-decide-write on the study among processes on one SQLite file (a lock file beside it);
+    other storages are not locked."""
+    if not url.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+
+    path = Path(url.removeprefix("sqlite:///") + ".lock")
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def open_study(storage_url: str, study_name: str, spec: SearchSpec, space: Space, seed: int, pruner: Any) -> Any:
     """Create the study, or load it when it exists (a resumed search, or another machine's share of it)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    options = {"storage": storage_url, "study_name": study_name, "sampler": make_sampler(spec, space, seed),
-               "pruner": pruner}
+    options = {"storage": rdb_storage(storage_url), "study_name": study_name,
+               "sampler": make_sampler(spec, space, seed), "pruner": pruner}
     try:  # creating the study is the one atomic step: only its creator queues a grid
         study = optuna.create_study(direction="minimize" if spec.smaller_is_better else "maximize", **options)
         created = True

@@ -3,8 +3,9 @@
 - a 6-trial random search, 2 trials at once: a trial's worker is killed mid-way and the trial goes on from its
   checkpoint; Ctrl-C stops the search and the same command resumes it without rerunning finished trials; the study
   reads back through Optuna's own API; `dtrain experiments show` lists the trials; the results files are written;
-- adaptive ASHA, one trial at a time: the trials it stopped are exactly those Determined's rule stops, replayed from
-  the rung values in the study; a trial that raises InvalidHP ends with exit code 4 and another is drawn;
+- adaptive ASHA, two trials at once: the trials it stopped are exactly those Determined's rule stops, replayed from
+  the rung values in the study in the order they were recorded; a trial that raises InvalidHP ends with exit
+  code 4 and another is drawn;
 - two `dtrain run --storage sqlite:///...` processes share one grid study and run disjoint trials that cover it.
 """
 
@@ -105,10 +106,10 @@ def test_adaptive_asha_stops_trials_by_determined_s_rule_and_invalid_trials_are_
 
     search_dir = tmp_path / "asha"
     # seed 0 draws learning rates 0.0666, 0.0422, 0.0451, 0.0670, 0.282, 0.0215, ...: the fifth is rejected
-    done = subprocess.run([*DTRAIN, "run", str(SEARCH), "--slots", "1", "--search-dir", str(search_dir),
+    done = subprocess.run([*DTRAIN, "run", str(SEARCH), "--slots", "2", "--search-dir", str(search_dir),
                           "--set", "searcher={name: adaptive_asha, metric: accuracy, smaller_is_better: false, "
                           "max_trials: 5, max_time: 64, time_metric: batches, divisor: 2, mode: aggressive, "
-                          "max_concurrent_trials: 1}", "--set", "min_validation_period={batches: 8}",
+                          "max_concurrent_trials: 2}", "--set", "min_validation_period={batches: 8}",
                           "--set", "hyperparameters.invalid_lr_above=0.1"],
                          capture_output=True, text=True, timeout=600, env=subprocess_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
@@ -123,15 +124,17 @@ def test_adaptive_asha_stops_trials_by_determined_s_rule_and_invalid_trials_are_
     assert "rejects it" in log and "Traceback" not in log
     # the plan: 5 trials, divisor 2, aggressive: rungs min(5, 1 + 6, 1 + 2) = 3 at 64/4, 64/2, 64 batches
     assert asha.plan(5, 64, 2, 5, "aggressive")[0].units == (16, 32, 64)
-    rungs: list[asha.Rung] = [asha.Rung(), asha.Rung()]
-    for t in valid:  # one at a time: the order of the trials is the order of the rung records
-        expected = "completed"
-        for index, rung in enumerate(rungs):
-            if not rung.continue_training(t.user_attrs[f"rung_{index}"], 2, smaller_is_better=False):
-                expected = "stopped"
-                break
+    # replay Determined's rule over the rung records in the order they were taken (one at a time, under the lock)
+    records = sorted((t.user_attrs[f"rung_{i}_at"], i, t.number, t.user_attrs[f"rung_{i}"])
+                     for t in valid for i in range(2) if f"rung_{i}" in t.user_attrs)
+    rungs, expected = [asha.Rung(), asha.Rung()], {t.number: "completed" for t in valid}
+    for _, index, number, value in records:
+        assert expected[number] == "completed", "a stopped trial recorded at a later rung"
+        if not rungs[index].continue_training(value, 2, smaller_is_better=False):
+            expected[number] = "stopped"
+    for t in valid:
         summary = json.loads((search_dir / f"trial-{t.number}" / "summary.json").read_text())
-        if expected == "stopped":
+        if expected[t.number] == "stopped":
             assert t.state == optuna.trial.TrialState.PRUNED, t.number
             assert summary["status"] == "stopped" and summary["steps_completed"] in (16, 32)
             step = summary["steps_completed"]

@@ -128,3 +128,26 @@ def test_dtrain_preview_command(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "dtrain.cli", "preview", str(config), "--set", "searcher.name=random"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "needs max_trials" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ("  x: {type: uniform, minval: 0, maxval: 1}\n", "has `type: uniform`; the types are"),
+    ("  x: {type: double, minval: 2, maxval: 1}\n", "minval 2 is greater than maxval 1"),
+    ("  x: {type: double, minval: 0, maxval: 1}\n", "needs `count` for a grid search"),
+    ("  x: 1\n", "needs max_time (with time_metric) or max_length"),
+])
+def test_dtrain_run_refuses_bad_search_input_in_one_line_and_starts_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], change: str, message: str) -> None:
+    from dtrain.cli import main
+
+    searcher = {"the types are": "random", "greater than maxval": "random", "needs `count`": "grid"}
+    name = next((v for k, v in searcher.items() if k in message), "adaptive_asha")
+    length = "" if name == "adaptive_asha" else "  max_length: {batches: 5}\n"
+    config = tmp_path / "bad.yaml"
+    config.write_text("name: bad\nentrypoint: model_def:T\nhyperparameters:\n  global_batch_size: 8\n" + change
+                      + f"searcher:\n  name: {name}\n  max_trials: 2\n  metric: loss\n" + length)
+    search_dir = tmp_path / "search"
+    assert main(["run", str(config), "--search-dir", str(search_dir), "--slots", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and err.count("\n") == 0 and "Traceback" not in err
+    assert not search_dir.exists()  # nothing started, nothing written

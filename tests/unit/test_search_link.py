@@ -108,3 +108,31 @@ def test_a_fixed_seed_draws_the_same_trials_straight_through_or_resumed(tmp_path
         assert straight == resumed and len({str(s) for s in straight}) == 4
         for point in straight:
             assert 1e-4 <= point["lr"] <= 1e-1 and 1 <= point["n"] <= 9 and point["act"] in ("relu", "tanh")
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "random", "cmaes", "grid"])
+def test_every_optuna_sampler_draws_the_space_and_grid_covers_it(tmp_path: Path, sampler: str) -> None:
+    from dtrain.search.link import make_pruner
+    from dtrain.search.study import total_trials
+
+    space = Space.parse({"lr": {"type": "log", "minval": -3, "maxval": -1, "count": 2},
+                         "m": {"type": "double", "minval": 0.0, "maxval": 0.9, "count": 2},
+                         "w": {"type": "categorical", "vals": [8, 16]}})
+    spec = parse_searcher({"name": "optuna", "sampler": sampler, "pruner": "hyperband", "max_trials": 3,
+                           "max_time": 16, "time_metric": "batches"})
+    pruner = make_pruner({"kind": "optuna", "pruner": "hyperband", "min_time": 4, "max_time": 16, "divisor": 4})
+    study = open_study(f"sqlite:///{tmp_path / 's.db'}", "s", spec, space, 0, pruner)
+    count = total_trials(spec, space)
+    assert count == (8 if sampler == "grid" else 3)
+    drawn = []
+    for _ in range(count):
+        trial, params = ask(study, spec, space, 0)
+        study.tell(trial, params["m"])
+        assert 1e-3 <= params["lr"] <= 1e-1 and 0.0 <= params["m"] <= 0.9 and params["w"] in (8, 16)
+        drawn.append((round(params["lr"], 6), params["m"], params["w"]))
+    if sampler == "grid":  # Optuna's GridSampler over Determined's grid points, each once
+        assert sorted(drawn) == sorted((lr, m, w) for lr in (0.001, 0.1) for m in (0.0, 0.9) for w in (8, 16))
+    for name, kind in (("successive_halving", "SuccessiveHalvingPruner"), ("median", "MedianPruner"),
+                       ("none", "NopPruner")):
+        rule = {"kind": "optuna", "pruner": name, "min_time": 4, "max_time": 16, "divisor": 4}
+        assert type(make_pruner(rule)).__name__ == kind
