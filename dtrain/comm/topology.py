@@ -12,11 +12,15 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from dtrain.errors import LaunchError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -270,3 +274,17 @@ def shutdown_distributed() -> None:
     _NODE_GROUPS.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def device_mesh(topology: Topology, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """The workers as a DeviceMesh of `shape` (row-major over the ranks: with names ("data", "pipeline") ranks
+    d*p .. d*p+p-1 form pipeline replica d); every rank calls this together, once per layout, since it creates
+    a process group per mesh dimension."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    total = 1
+    for size in shape:
+        total *= size
+    if total != topology.world_size:
+        raise LaunchError(f"a device mesh of shape {shape} needs {total} workers, the run has {topology.world_size}")
+    return init_device_mesh(topology.device.type, shape, mesh_dim_names=names)

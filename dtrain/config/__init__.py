@@ -7,11 +7,21 @@ classic experiment file runs unchanged; any other unknown key is rejected with t
 One module per job: `base` (strict sections, Length), a module per group of sections (`training`,
 `distributed`, `large_batch`, `profiling`, `faults`), `experiment` (the whole file), `names` (the names other
 packages implement), `ignored` (Determined's cluster keys), `loading` (YAML and `--set`), `messages` (the
-one-line errors), `gate` (features not built yet) and `reference` (docs/config-reference.md).
+one-line errors), `gate` (features not built yet), `parallelism` (sharded and pipelined layouts,
+precision) and `reference` (docs/config-reference.md).
 """
 
 from dtrain.config.base import Length, Section
-from dtrain.config.distributed import Compression, Distributed, Heterogeneous, LocalSGD, Optimizations, ParameterServer
+from dtrain.config.distributed import (
+    Compression,
+    Distributed,
+    Fsdp,
+    Heterogeneous,
+    LocalSGD,
+    Optimizations,
+    ParameterServer,
+    Pipeline,
+)
 from dtrain.config.experiment import ExperimentConfig
 from dtrain.config.faults import Faults, Kill
 from dtrain.config.gate import check_buildable, is_built
@@ -32,6 +42,7 @@ from dtrain.config.names import (
     ScalingRule,
     StrategyName,
 )
+from dtrain.config.parallelism import SHARDED_STRATEGIES, effective_precision
 from dtrain.config.profiling import Profiling
 from dtrain.config.training import CheckpointStorage, DataLoaderConfig, Reproducibility, Resources, Searcher
 
@@ -40,5 +51,6 @@ __all__ = ["COMPRESSION_OPTIONS", "CONFIG_OPTIMIZERS", "IGNORED_KEYS", "OPTIMIZE
            "Distributed", "ExperimentConfig", "GrowBy", "Heterogeneous", "Kill", "LargeBatch", "Length",
            "LoadedConfig", "LocalSGD", "OptimizerName", "Optimizations", "ParameterServer", "ParameterServerMode",
            "Profiling", "QSGDNorm", "ReduceOp", "Reproducibility", "Resources", "ScalingRule", "Searcher", "Section",
-           "StrategyName", "apply_override", "check_buildable", "dump_config", "is_built", "load_config",
+           "StrategyName", "SHARDED_STRATEGIES", "Fsdp", "Pipeline", "effective_precision",
+           "apply_override", "check_buildable", "dump_config", "is_built", "load_config",
            "parse_override", "read_yaml"]

@@ -12,6 +12,8 @@ from dtrain.config.names import (
     COMPRESSION_OPTIONS,
     CompressorName,
     ParameterServerMode,
+    PipelineScheduleName,
+    PrecisionName,
     QSGDNorm,
     ReduceOp,
     StrategyName,
@@ -32,7 +34,14 @@ class Optimizations(Section):
         default=False, description="true means `distributed.compression.name: fp16` (Determined's flag); with "
         "another compressor named it is an error")
     mixed_precision: Literal["O0", "O1", "O2", "O3"] = Field(
-        default="O0", description="mixed-precision level (Determined's, after Apex); O0 is full precision")
+        default="O0", description="mixed-precision level (Determined's, after Apex); O0 is full precision, O1 and O2 "
+        "run as `precision: fp16`")
+    precision: PrecisionName = Field(
+        default="fp32", description="`bf16` or `fp16`: forward under torch.autocast (fp16 with a loss scaler whose "
+        "overflow verdict all ranks share); weights, gradients and their reduction stay fp32")
+    activation_checkpointing: list[str] = Field(
+        default_factory=list, description="class names of the model's blocks whose activations are recomputed in "
+        "backward instead of kept (torch.utils.checkpoint), e.g. `[TransformerBlock]`")
     tensor_fusion_threshold: float = Field(default=25.0, gt=0, description="gradient bucket size in MB (DDP's "
                                                                            "`bucket_cap_mb`)")
     first_bucket_mb: float = Field(
@@ -155,16 +164,41 @@ class Heterogeneous(Section):
         return self
 
 
+class Pipeline(Section):
+    """Pipeline parallelism (strategy `pipeline`): the model cut into stages, each batch into microbatches."""
+
+    stages: int = Field(default=2, ge=2, description="p: pipeline stages, one rank each; slots_per_trial / p "
+                                                     "replicas of the pipeline train data-parallel")
+    microbatches: int = Field(default=4, ge=1, description="m: microbatches each replica's batch is split into "
+                                                           "(bubble (p-1)/(m+p-1))")
+    schedule: PipelineScheduleName = Field(default="gpipe", description="`gpipe` (all forwards, then all "
+                                           "backwards) or `1f1b` (one forward, one backward)")
+    split_points: list[str] = Field(
+        default_factory=list, description="names of the model's top-level children where stages 2..p begin (p-1 "
+        "names); empty: the Trial's `pipeline_stages(model)` hook, else equal numbers of children")
+
+
+class Fsdp(Section):
+    """Fully sharded data parallelism (strategy `fsdp`, torch's FSDP2 `fully_shard`)."""
+
+    reshard_after_forward: bool = Field(default=True, description="free the gathered parameters after forward "
+                                        "and gather them again in backward (less memory, one more all-gather)")
+
+
 class Distributed(Section):
     """How replicas stay consistent: the strategy, how gradients are combined, compression, timeouts."""
 
     strategy: StrategyName = Field(default="allreduce", description="how replicas stay consistent: `allreduce` "
                                    "(torch DDP; dtrain's comm hook for op `sum`, `adasum` and compression), "
                                    "`parameter_server` (server processes hold the parameters), `local_sgd` "
-                                   "(periodic averaging, post-local SGD, DiLoCo) or `hierarchical` (all-reduce "
-                                   "inside each node, then between nodes)")
+                                   "(periodic averaging, post-local SGD, DiLoCo), `hierarchical` (all-reduce "
+                                   "inside each node, then between nodes), `zero1` (DDP with the optimizer state "
+                                   "sharded), `fsdp` (parameters, gradients and optimizer state sharded) or "
+                                   "`pipeline` (stages x data replicas)")
     parameter_server: ParameterServer = Field(default_factory=ParameterServer,
                                               description="settings of strategy `parameter_server`")
+    pipeline: Pipeline = Field(default_factory=Pipeline, description="settings of strategy `pipeline`")
+    fsdp: Fsdp = Field(default_factory=Fsdp, description="settings of strategy `fsdp`")
     op: ReduceOp = Field(default="average", description="how gradients are combined: `average` (the full-batch "
                          "gradient), `sum`, `adasum` (Adasum; takes no compression)")
     compression: Compression = Field(default_factory=Compression, description="gradient compression (strategy "

@@ -12,6 +12,7 @@ from dtrain.config.distributed import Compression, Distributed, Optimizations
 from dtrain.config.entrypoint import Entrypoint, parse_entrypoint
 from dtrain.config.faults import Faults
 from dtrain.config.large_batch import LargeBatch
+from dtrain.config.parallelism import check_layout
 from dtrain.config.profiling import Profiling
 from dtrain.config.training import CheckpointStorage, DataLoaderConfig, Reproducibility, Resources, Searcher
 from dtrain.errors import ConfigError
@@ -142,6 +143,11 @@ class ExperimentConfig(Section):
         if self.distributed.op == "adasum" and self.compression.name != "none":
             raise ValueError(f"distributed.op `adasum` combines full-precision gradients and cannot use compression "
                              f"`{self.compression.name}`; use op average or sum, or remove the compression")
+        return self
+
+    @model_validator(mode="after")
+    def _parallel_layout(self) -> ExperimentConfig:
+        check_layout(self)
         return self
 
     @property

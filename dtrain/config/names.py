@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-StrategyName = Literal["allreduce", "parameter_server", "local_sgd", "hierarchical"]
+StrategyName = Literal["allreduce", "parameter_server", "local_sgd", "hierarchical", "zero1", "fsdp", "pipeline"]
 ReduceOp = Literal["average", "sum", "adasum"]
 ParameterServerMode = Literal["sync", "async", "ssp"]
+PrecisionName = Literal["fp32", "bf16", "fp16"]
+PipelineScheduleName = Literal["gpipe", "1f1b"]
 
 CompressorName = Literal["none", "fp16", "bf16", "qsgd", "topk", "powersgd", "sign", "bounded_loss"]
 QSGDNorm = Literal["l2", "max"]

@@ -21,9 +21,11 @@ from dtrain.sync.base import (
     TrainBatch,
     WireMetering,
 )
+from dtrain.sync.fsdp import FsdpStrategy, build_fsdp
 from dtrain.sync.hierarchical import HierarchicalStrategy, build_hierarchical
 from dtrain.sync.local_sgd import LocalSGDStrategy, build_local_sgd
 from dtrain.sync.parameter_server import ParameterServerStrategy, build_parameter_server
+from dtrain.sync.zero import Zero1Strategy, build_zero1
 
 StrategyBuilder = Callable[[ExperimentConfig, Topology], SyncStrategy]
 
@@ -33,6 +35,8 @@ REGISTRY: dict[str, StrategyBuilder] = {
     "parameter_server": build_parameter_server,
     "local_sgd": build_local_sgd,
     "hierarchical": build_hierarchical,
+    "zero1": build_zero1,
+    "fsdp": build_fsdp,
 }
 
 
@@ -46,6 +50,7 @@ def build_strategy(config: ExperimentConfig, topology: Topology) -> SyncStrategy
 
 
 __all__ = ["REGISTRY", "AllReduceStrategy", "AsynchronousPacing", "BucketObserving", "ComputePhases",
-           "Consolidating", "HierarchicalStrategy", "LocalSGDStrategy", "OptimizerWrapping", "OwnsCheckpointState",
+           "Consolidating", "FsdpStrategy", "HierarchicalStrategy", "LocalSGDStrategy", "OptimizerWrapping",
+           "OwnsCheckpointState",
            "ParameterServerStrategy", "ReportingMetrics", "RunsForwardBackward", "StrategyBuilder", "SyncStrategy",
-           "TrainBatch", "WireMetering", "build_strategy"]
+           "TrainBatch", "WireMetering", "Zero1Strategy", "build_strategy"]

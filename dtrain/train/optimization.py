@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain.config import ExperimentConfig, LargeBatch
+from dtrain.config import ExperimentConfig, LargeBatch, effective_precision
 from dtrain.errors import ConfigError, TrialError
 from dtrain.optim.build import build_lr_schedule
 from dtrain.optim.build import build_optimizer as build_config_optimizer
@@ -28,6 +28,7 @@ class Optimization:
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
     lr_schedule: ScheduledLR | None
     schedule: Schedule
+    scaler: torch.amp.GradScaler | None = None  # fp16's loss scaler: its scale is checkpointed with the schedules
 
     def rate_for_update(self, began_after: int) -> float:
         """Apply the config's schedule for the update that began after batch `began_after`; return the rate this
@@ -58,13 +59,16 @@ class Optimization:
     def schedule_state(self) -> dict[str, Any]:
         """The schedulers' part of a checkpoint."""
         return {"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "lr_schedule": self.lr_schedule.state_dict() if self.lr_schedule is not None else None}
+                "lr_schedule": self.lr_schedule.state_dict() if self.lr_schedule is not None else None,
+                "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
     def load_schedule_state(self, state: dict[str, Any]) -> None:
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.lr_schedule is not None and state.get("lr_schedule") is not None:
             self.lr_schedule.load_state_dict(state["lr_schedule"])
+        if self.scaler is not None and state.get("grad_scaler"):
+            self.scaler.load_state_dict(state["grad_scaler"])
 
 
 def build_optimization(config: ExperimentConfig, trial: Trial, model: nn.Module, schedule: Schedule,
@@ -94,4 +98,9 @@ def build_optimization(config: ExperimentConfig, trial: Trial, model: nn.Module,
         first = schedule.plan.phases[0]
         curve = build_lr_schedule(lb, first.records_per_update, schedule.epoch_of(schedule.total_batches))
         lr_schedule = ScheduledLR(optimizer, curve)
-    return Optimization(optimizer=optimizer, scheduler=scheduler, lr_schedule=lr_schedule, schedule=schedule)
+    scaler = None
+    if effective_precision(config) == "fp16":
+        device_type = next((p.device.type for p in model.parameters()), "cpu")
+        scaler = torch.amp.GradScaler(device_type)
+    return Optimization(optimizer=optimizer, scheduler=scheduler, lr_schedule=lr_schedule, schedule=schedule,
+                        scaler=scaler)

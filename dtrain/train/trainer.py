@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dtrain.comm import Topology, any_rank, broadcast_object
-from dtrain.config import ExperimentConfig
+from dtrain.config import ExperimentConfig, effective_precision
 from dtrain.data.sharding import BatchSplit, split_by_sizes
 from dtrain.data.synthetic import synthetic_replay
 from dtrain.errors import TrialError
@@ -54,8 +54,10 @@ from dtrain.train.compute import LocalForwardBackward, TimedCompute
 from dtrain.train.evaluation import Evaluator, SearcherMetric
 from dtrain.train.faults import FAULTS_FILE, FaultInjector
 from dtrain.train.guard import GracefulStop, UpdateGuard
+from dtrain.train.memory import apply_activation_checkpointing
 from dtrain.train.metrics import MetricsWriter
 from dtrain.train.optimization import build_optimization
+from dtrain.train.precision import MixedPrecision
 from dtrain.train.progress import Progress
 from dtrain.train.reporting import Reporter, TrainingMetrics, WireMeter
 from dtrain.train.rng import seed_everything
@@ -153,6 +155,11 @@ class Trainer:
                             else _replicas_never_differ)
         self.forward_backward: RunsForwardBackward = (
             self.strategy if isinstance(self.strategy, RunsForwardBackward) else LocalForwardBackward(self.strategy))
+        precision = effective_precision(config)
+        if precision != "fp32":  # autocast (and fp16's loss scaler) around whichever stage runs
+            self.forward_backward = MixedPrecision(self.forward_backward, precision, topology.device,
+                                                   self.optimization.scaler, self.optimization.optimizer,
+                                                   topology.is_distributed)
 
         # the stages' parts
         self.batches = TrainingBatches(self.train_data, self.schedule.plan, self.sizes, seed=self.seed,
@@ -202,6 +209,7 @@ class Trainer:
         model = model.to(self.topology.device)
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        apply_activation_checkpointing(model, self.config.optimizations.activation_checkpointing)
         return model
 
     def _build_profiler(self) -> Profiler:

@@ -38,6 +38,8 @@ from dtrain.sync import (
     build_strategy,
 )
 from dtrain.sync.allreduce import build_allreduce
+from dtrain.sync.fsdp import FsdpStrategy
+from dtrain.sync.zero import Zero1Strategy
 from dtrain.train.trainer import Trainer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -67,8 +69,7 @@ def test_every_strategy_the_config_accepts_is_registered() -> None:
 
 def test_an_unregistered_strategy_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sync.REGISTRY, "allreduce")
-    with pytest.raises(ValueError, match="strategy 'allreduce' is not built; registered: hierarchical, local_sgd, "
-                                         "parameter_server"):
+    with pytest.raises(ValueError, match="strategy 'allreduce' is not built; registered: .*parameter_server"):
         build_strategy(load_config(None, raw=copy.deepcopy(RAW)).config, ONE_PROCESS)
 
 
@@ -76,6 +77,18 @@ def test_allreduce_is_the_core_plus_bucket_observation_and_wire_metering() -> No
     strategy = build_strategy(load_config(None, raw=copy.deepcopy(RAW)).config, ONE_PROCESS)
     assert isinstance(strategy, AllReduceStrategy) and isinstance(strategy, SyncStrategy)
     assert {kind for kind in EXTENSIONS if isinstance(strategy, kind)} == {BucketObserving, WireMetering}
+
+
+def test_zero1_adds_a_sharded_optimizer_and_its_checkpoint_state_to_allreduce() -> None:
+    strategy = Zero1Strategy(ONE_PROCESS)
+    assert {kind for kind in EXTENSIONS if isinstance(strategy, kind)} == {
+        BucketObserving, WireMetering, OptimizerWrapping, OwnsCheckpointState}
+
+
+def test_fsdp_is_the_core_plus_consolidation_and_checkpoint_state() -> None:
+    strategy = FsdpStrategy(ONE_PROCESS)
+    assert isinstance(strategy, SyncStrategy)
+    assert {kind for kind in EXTENSIONS if isinstance(strategy, kind)} == {Consolidating, OwnsCheckpointState}
 
 
 def test_parameter_server_is_the_core_plus_pacing_consolidation_and_metrics() -> None:

@@ -222,3 +222,19 @@ def test_elastic_environment_variables_dtrain_reads_or_sets() -> None:
     workers host their own store on loopback. Both are torch-internal names."""
     assert "TORCHELASTIC_USE_AGENT_STORE" in inspect.getsource(local_elastic_agent)
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in inspect.getsource(dynamic_rendezvous)
+
+
+def test_grad_scaler_keeps_its_scale_and_found_inf_where_mixed_precision_reads_them() -> None:
+    """dtrain/train/precision.py: `_scale` (None until scale() first runs) and
+    `_per_optimizer_states[id(opt)]["found_inf_per_device"]`, which update() reads after unscale_."""
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    assert scaler._scale is None
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.unscale_(optimizer)
+    found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    for flag in found.values():
+        flag.fill_(1.0)  # what the all-reduced verdict does
+    scaler.update()
+    assert scaler.get_scale() == 4.0

@@ -1,0 +1,197 @@
+"""Sharded and pipelined strategies on 2 real gloo processes equal one process training on the full batch
+(float64, 5 steps, 1e-9 relative): ZeRO-1, FSDP2 (SGD with momentum, and LARS, whose trust ratio needs whole
+tensors) and a 2-stage pipeline with GPipe and 1F1B over 4 microbatches. All cases run in one spawn."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dtrain.comm import Topology, barrier
+from dtrain.config import load_config
+from dtrain.data.sharding import ShardedBatchSampler, split_global_batch
+from dtrain.optim.lars import LARS
+from dtrain.runs.rundir import load_run_info, prepare_run_dir
+from dtrain.train.rng import seed_everything
+from dtrain.train.trainer import Trainer
+from dtrain.train.trial import TrialContext
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+STEPS = 5
+
+RAW: dict[str, Any] = {
+    "name": "sharded", "entrypoint": "digits_trial:DigitsTrial",
+    "hyperparameters": {"global_batch_size": 24, "learning_rate": 0.3, "momentum": 0.9, "float64": True,
+                        "hidden": 16},
+    "searcher": {"metric": "accuracy", "smaller_is_better": False, "max_length": {"batches": STEPS}},
+    "reproducibility": {"experiment_seed": 11},
+    "resources": {"slots_per_trial": 2},
+}
+LARS_SETTINGS = {"optimizer": "lars", "base_lr": 0.5, "momentum": 0.9, "weight_decay": 1e-3,
+                 "trust_coefficient": 0.02}
+
+
+def case(strategy: str, **distributed: Any) -> dict[str, Any]:
+    raw = copy.deepcopy(RAW)
+    raw["distributed"] = {"strategy": strategy, **distributed}
+    return raw
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "zero1": case("zero1"),
+    "fsdp": case("fsdp"),
+    "fsdp_keep_gathered": case("fsdp", fsdp={"reshard_after_forward": False}),
+    "fsdp_lars": {**case("fsdp"), "large_batch": LARS_SETTINGS},
+    "zero1_lars": {**case("zero1"), "large_batch": LARS_SETTINGS},
+}
+# mixed precision runs (float32 model): they must keep every rank's scaler and parameters identical
+PRECISION_CASES: dict[str, dict[str, Any]] = {
+    "fsdp_fp16": {**case("fsdp"), "optimizations": {"precision": "fp16"},
+                  "hyperparameters": {**RAW["hyperparameters"], "float64": False}},
+    "zero1_bf16": {**case("zero1"), "optimizations": {"precision": "bf16"},
+                   "hyperparameters": {**RAW["hyperparameters"], "float64": False}},
+}
+
+
+class _OverflowOnRank1:
+    """A forward/backward stage that leaves a finite gradient on rank 0 and, at its second batch, an infinite one
+    on rank 1 only (as an FSDP shard or a pipeline stage can see alone)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.calls = 0
+
+    def forward_backward(self, model: torch.nn.Module, batch: Any, train_batch: Any, *, loss_scale: float,
+                         communicate: bool, phases: Any) -> dict[str, Any]:
+        self.calls += 1
+        loss = model(batch).sum() * loss_scale
+        loss.backward()
+        if self.rank == 1 and self.calls == 2:
+            next(model.parameters()).grad[0, 0] = float("inf")
+        return {"loss": loss.detach()}
+
+
+def _agreement(topology: Topology) -> dict[str, Any]:
+    from contextlib import nullcontext
+
+    from dtrain.train.precision import MixedPrecision
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    stage = MixedPrecision(_OverflowOnRank1(topology.rank), "fp16", torch.device("cpu"), scaler, optimizer, True)
+    phases = type("Phases", (), {"forward": lambda self: nullcontext(), "backward": lambda self: nullcontext()})()
+    for _ in range(3):
+        stage.forward_backward(model, torch.ones(4, 3), None, loss_scale=1.0, communicate=True, phases=phases)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"history": stage.history, "scale": float(scaler.get_scale()),
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def _train_all(topology: Topology, root: str, cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    sys.path.insert(0, str(FIXTURES))
+    from digits_trial import DigitsTrial
+
+    results: dict[str, Any] = {}
+    for name, raw in cases.items():
+        config = load_config(None, raw=raw).config
+        run_dir = Path(root) / name
+        if topology.rank == 0:
+            prepare_run_dir(config, run_dir, FIXTURES)
+        barrier()
+        trainer = Trainer(config=config, trial_class=DigitsTrial, topology=topology, run_info=load_run_info(run_dir))
+        summary = trainer.fit()
+        assert summary["status"] == "completed", summary
+        model = trainer.strategy.unwrap_model()
+        results[name] = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                         "identical": summary["replicas_identical"]}
+        history = getattr(trainer.forward_backward, "history", None)
+        if history is not None:
+            results[name]["history"] = history
+    results["agreement"] = _agreement(topology)
+    return results
+
+
+def _reference(raw: dict[str, Any], make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]
+               ) -> dict[str, torch.Tensor]:
+    """One process without the Trainer: each step trains on the whole global batch."""
+    sys.path.insert(0, str(FIXTURES))
+    from digits_trial import DigitsTrial
+
+    hp = raw["hyperparameters"]
+    seed = raw["reproducibility"]["experiment_seed"]
+    split = split_global_batch(hp["global_batch_size"], 1)
+    trial = DigitsTrial(TrialContext(hparams=hp, rank=0, world_size=1, local_rank=0, batch_split=split,
+                                     device=torch.device("cpu"), seed=seed))
+    data = trial.build_training_data()
+    seed_everything(seed)
+    model = trial.build_model()
+    optimizer = make_optimizer(model)
+    images, labels = data.tensors
+    order = list(ShardedBatchSampler(len(data), split, 0, seed, epoch=0))
+    for step in range(STEPS):
+        index = torch.tensor(order[step])
+        optimizer.zero_grad()
+        F.cross_entropy(model(images[index]), labels[index]).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=RAW["hyperparameters"]["learning_rate"],
+                           momentum=RAW["hyperparameters"]["momentum"])
+
+
+def _lars(model: torch.nn.Module) -> torch.optim.Optimizer:
+    s = LARS_SETTINGS
+    return LARS(model.parameters(), lr=s["base_lr"], momentum=s["momentum"], weight_decay=s["weight_decay"],
+                trust_coefficient=s["trust_coefficient"])
+
+
+def _relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in b)
+
+
+@pytest.fixture(scope="module")
+def trained(spawn: Callable[..., list[Any]], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return spawn(_train_all, 2, str(tmp_path_factory.mktemp("sharded")), {**CASES, **PRECISION_CASES},
+                 timeout=240)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_sharded_training_equals_single_process(trained: list[dict[str, Any]], name: str) -> None:
+    reference = _reference(CASES[name], _lars if name.endswith("lars") else _sgd)
+    start = _reference({**CASES[name], "searcher": RAW["searcher"]}, lambda m: torch.optim.SGD(m.parameters(), lr=0))
+    assert _relative(start, reference) > 1e-3  # the run moved the weights
+    for rank in trained:
+        assert _relative(rank[name]["state"], reference) < 1e-9
+        assert rank[name]["identical"]
+    assert all(torch.equal(trained[0][name]["state"][k], trained[1][name]["state"][k]) for k in reference)
+
+
+@pytest.mark.parametrize("name", sorted(PRECISION_CASES))
+def test_mixed_precision_keeps_ranks_identical(trained: list[dict[str, Any]], name: str) -> None:
+    first, second = trained[0][name], trained[1][name]
+    assert first["identical"] and second["identical"]
+    assert all(torch.equal(first["state"][k], second["state"][k]) for k in first["state"])
+    assert first.get("history") == second.get("history")
+    if name.endswith("fp16"):
+        assert len(first["history"]) == STEPS
+
+
+def test_an_overflow_on_one_rank_skips_the_update_on_every_rank(trained: list[dict[str, Any]]) -> None:
+    """pytorch/pytorch#136009: rank 0's gradient stays finite, rank 1's overflows at update 2; both skip it
+    and halve their scale, and their parameters stay equal."""
+    first, second = trained[0]["agreement"], trained[1]["agreement"]
+    assert first["history"] == second["history"] == [(1024.0, 0), (1024.0, 1), (512.0, 1)]
+    assert first["scale"] == second["scale"] == 512.0
+    assert all(torch.equal(a, b) for a, b in zip(first["params"], second["params"], strict=True))
