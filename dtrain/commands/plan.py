@@ -109,6 +109,16 @@ def register(subcommands: Any) -> argparse.ArgumentParser:
                          help="with --this-machine: the loopback shaped to this rate (benchmarks/netem.py)")
     machine.add_argument("--threads", type=int, default=1, help="threads per worker when calibrating (default 1)")
 
+    memory = plan.add_argument_group("memory per rank (ZeRO, FSDP, pipeline)")
+    memory.add_argument("--optimizer-state", choices=["adam", "sgd-momentum", "sgd", "zero-paper"], default="adam",
+                        help="bytes per parameter: adam 4+4+8 (dtrain: fp32 weights and gradients), sgd-momentum "
+                             "4+4+4, sgd 4+4+0, zero-paper 2+2+12 (the ZeRO paper's mixed-precision Adam); default "
+                             "adam")
+    memory.add_argument("--device-memory-gb", type=float,
+                        help="memory of one device (GB, 1e9 bytes): recommend the least-sharded layout that fits")
+    memory.add_argument("--stages", type=int, default=2, help="pipeline stages p for the bubble (default 2)")
+    memory.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches m (default 4)")
+
     out = plan.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print JSON instead of text")
     out.add_argument("--sweep", metavar="devices=LIST",
@@ -300,12 +310,41 @@ def run_plan(args: argparse.Namespace) -> int:
     batch = per_device_batch_for(devices, per_device_batch=per_device, global_batch=args.global_batch)
     prediction = predict_step(model, compute, topology, strategy, devices, batch)
     advice = advise(model, compute, topology, strategy, devices, batch, args.target_efficiency)
+    memory, memory_text = _memory(args, model.parameters, devices)
     if args.json:
         print(json.dumps({"setup": header, "prediction": prediction.to_dict(),
-                          "recommendations": [vars(a) for a in advice]}, indent=2))
+                          "recommendations": [vars(a) for a in advice], "memory": memory}, indent=2))
     else:
-        print(header + "\n" + format_prediction(prediction, advice))
+        print(header + "\n" + format_prediction(prediction, advice) + "\n" + memory_text)
     return ExitCode.OK
+
+
+def _memory(args: argparse.Namespace, parameters: float, devices: int) -> tuple[dict[str, Any], str]:
+    """Model-state bytes per rank for each layout, the pipeline bubble, and the layout that fits a device."""
+    from dtrain.plan.memory import bubble_fraction, model_state_bytes, recommend_layout
+
+    _positive("--device-memory-gb", args.device_memory_gb)
+    if args.stages < 2 or args.microbatches < 1:
+        raise PlanError(f"--stages {args.stages} must be >= 2 and --microbatches {args.microbatches} >= 1")
+    layouts = {layout: model_state_bytes(parameters, layout, devices, args.optimizer_state).total_bytes
+               for layout in ("ddp", "zero1", "zero2", "fsdp")}
+    if devices % args.stages == 0:
+        layouts[f"pipeline{args.stages}"] = model_state_bytes(parameters, "ddp", devices // args.stages,
+                                                              args.optimizer_state, stages=args.stages).total_bytes
+    bubble = bubble_fraction(args.stages, args.microbatches)
+    info: dict[str, Any] = {"optimizer_state": args.optimizer_state, "model_state_bytes_per_rank": layouts,
+                            "pipeline": {"stages": args.stages, "microbatches": args.microbatches,
+                                         "bubble_fraction": bubble}}
+    lines = [f"memory per rank ({devices} ranks, {args.optimizer_state}): " + ", ".join(
+        f"{name}{' (not built)' if name == 'zero2' else ''} {value / 1e9:.3g} GB" for name, value in layouts.items()),
+        f"  pipeline bubble at p={args.stages}, m={args.microbatches}: {bubble:.1%} of a step idle"]
+    if args.device_memory_gb is not None:
+        chosen, _ = recommend_layout(parameters, devices, args.device_memory_gb * 1e9, args.optimizer_state)
+        info["recommended_layout"] = chosen
+        lines.append(f"  fits {args.device_memory_gb:g} GB per device: " + (
+            f"distributed.strategy {chosen if chosen != 'ddp' else 'allreduce'}" if chosen else
+            f"no layout over {devices} ranks (model state alone; add ranks)"))
+    return info, "\n".join(lines)
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -42,7 +42,7 @@ from dtrain.config.names import (
     ScalingRule,
     StrategyName,
 )
-from dtrain.config.parallelism import SHARDED_STRATEGIES, effective_precision
+from dtrain.config.parallelism import SHARDED_STRATEGIES, effective_precision, model_parallel_size
 from dtrain.config.profiling import Profiling
 from dtrain.config.training import CheckpointStorage, DataLoaderConfig, Reproducibility, Resources, Searcher
 
@@ -51,6 +51,6 @@ __all__ = ["COMPRESSION_OPTIONS", "CONFIG_OPTIMIZERS", "IGNORED_KEYS", "OPTIMIZE
            "Distributed", "ExperimentConfig", "GrowBy", "Heterogeneous", "Kill", "LargeBatch", "Length",
            "LoadedConfig", "LocalSGD", "OptimizerName", "Optimizations", "ParameterServer", "ParameterServerMode",
            "Profiling", "QSGDNorm", "ReduceOp", "Reproducibility", "Resources", "ScalingRule", "Searcher", "Section",
-           "StrategyName", "SHARDED_STRATEGIES", "Fsdp", "Pipeline", "effective_precision",
+           "StrategyName", "SHARDED_STRATEGIES", "Fsdp", "Pipeline", "effective_precision", "model_parallel_size",
            "apply_override", "check_buildable", "dump_config", "is_built", "load_config",
            "parse_override", "read_yaml"]

@@ -3,16 +3,13 @@ starts, so that a valid Determined file fails with one line instead of training 
 
 from __future__ import annotations
 
-from typing import Any, get_args
+from typing import Any
 
 from dtrain.config.experiment import ExperimentConfig
-from dtrain.config.names import StrategyName
 from dtrain.errors import ConfigError
 
 # (dotted key, the values that work today, why the others are refused)
 NOT_BUILT_YET: list[tuple[str, tuple[Any, ...], str]] = [
-    ("distributed.strategy", tuple(name for name in get_args(StrategyName) if name != "pipeline"),
-     "strategy pipeline is not built yet"),
     ("optimizations.mixed_precision", ("O0", "O1", "O2"), "O3 (pure fp16 weights) is not built; O1 and O2 run as "
      "`optimizations.precision: fp16` (autocast and a loss scaler)"),
     ("distributed.network_interface", (None,), "choosing the network interface is not built yet"),

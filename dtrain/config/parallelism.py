@@ -20,6 +20,11 @@ def effective_precision(config: ExperimentConfig) -> PrecisionName:
     return config.optimizations.precision
 
 
+def model_parallel_size(config: ExperimentConfig) -> int:
+    """Ranks that share one data replica's batches: the pipeline's stages, else 1."""
+    return config.distributed.pipeline.stages if config.distributed.strategy == "pipeline" else 1
+
+
 def check_layout(config: ExperimentConfig) -> None:
     """Raise ValueError (one line: value, rule, fix) for a layout or setting the strategy cannot run."""
     opt, dist = config.optimizations, config.distributed
@@ -56,6 +61,9 @@ def _check_pipeline(config: ExperimentConfig) -> None:
     if p.split_points and len(p.split_points) != p.stages - 1:
         raise ValueError(f"distributed.pipeline.split_points names {len(p.split_points)} cut(s) "
                          f"({', '.join(p.split_points)}) for {p.stages} stages; name stages - 1 = {p.stages - 1}")
+    if config.distributed.heterogeneous is not None:
+        raise ValueError("distributed.heterogeneous with strategy pipeline: per-rank batch shares are not built for "
+                         "pipeline replicas; remove distributed.heterogeneous")
     if config.optimizations.aggregation_frequency != 1:
         raise ValueError("optimizations.aggregation_frequency > 1 with strategy pipeline: raise "
                          "distributed.pipeline.microbatches instead (microbatches already accumulate gradients)")

@@ -25,6 +25,7 @@ from dtrain.sync.fsdp import FsdpStrategy, build_fsdp
 from dtrain.sync.hierarchical import HierarchicalStrategy, build_hierarchical
 from dtrain.sync.local_sgd import LocalSGDStrategy, build_local_sgd
 from dtrain.sync.parameter_server import ParameterServerStrategy, build_parameter_server
+from dtrain.sync.pipeline import PipelineStrategy, build_pipeline
 from dtrain.sync.zero import Zero1Strategy, build_zero1
 
 StrategyBuilder = Callable[[ExperimentConfig, Topology], SyncStrategy]
@@ -37,6 +38,7 @@ REGISTRY: dict[str, StrategyBuilder] = {
     "hierarchical": build_hierarchical,
     "zero1": build_zero1,
     "fsdp": build_fsdp,
+    "pipeline": build_pipeline,
 }
 
 
@@ -51,6 +53,6 @@ def build_strategy(config: ExperimentConfig, topology: Topology) -> SyncStrategy
 
 __all__ = ["REGISTRY", "AllReduceStrategy", "AsynchronousPacing", "BucketObserving", "ComputePhases",
            "Consolidating", "FsdpStrategy", "HierarchicalStrategy", "LocalSGDStrategy", "OptimizerWrapping",
-           "OwnsCheckpointState",
-           "ParameterServerStrategy", "ReportingMetrics", "RunsForwardBackward", "StrategyBuilder", "SyncStrategy",
-           "TrainBatch", "WireMetering", "Zero1Strategy", "build_strategy"]
+           "OwnsCheckpointState", "ParameterServerStrategy", "PipelineStrategy", "ReportingMetrics",
+           "RunsForwardBackward", "StrategyBuilder", "SyncStrategy", "TrainBatch", "WireMetering", "Zero1Strategy",
+           "build_strategy"]

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dtrain.comm import Topology, any_rank, broadcast_object
-from dtrain.config import ExperimentConfig, effective_precision
+from dtrain.config import ExperimentConfig, effective_precision, model_parallel_size
 from dtrain.data.sharding import BatchSplit, split_by_sizes
 from dtrain.data.synthetic import synthetic_replay
 from dtrain.errors import TrialError
@@ -105,9 +105,12 @@ class Trainer:
         self.topology = topology
         self.run_info = run_info
         self.run_dir = run_info.run_dir
-        split = batch_split or initial_split(config, topology.world_size)
-        if len(split.per_rank) != topology.world_size:
-            raise ValueError(f"batch_split has {len(split.per_rank)} ranks, the run {topology.world_size}")
+        # data replicas: every rank, except that the ranks of one pipeline share a replica's batches
+        stages = model_parallel_size(config)
+        replicas, replica = topology.world_size // stages, topology.rank // stages
+        split = batch_split or initial_split(config, replicas)
+        if len(split.per_rank) != replicas:
+            raise ValueError(f"batch_split has {len(split.per_rank)} ranks, the run {replicas} data replicas")
         self.seed = config.reproducibility.experiment_seed
         self.channels_last = config.optimizations.memory_format == "channels_last"
         self.faults = FaultInjector(config.faults, topology.rank, record_path=self.run_dir / "logs" / FAULTS_FILE,
@@ -128,7 +131,7 @@ class Trainer:
         # data and schedule
         self.train_data, self.val_data = self._build_data()
         self.schedule = self._resolve_schedule(split)
-        self.sizes = BatchSizes(split, rank=topology.rank, world_size=topology.world_size,
+        self.sizes = BatchSizes(split, rank=replica, world_size=replicas,
                                 average_aggregated=config.optimizations.average_aggregated_gradients)
 
         # model, strategy, optimizer: the strategy wraps the model before the optimizer sees its parameters

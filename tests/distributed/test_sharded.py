@@ -50,6 +50,9 @@ CASES: dict[str, dict[str, Any]] = {
     "fsdp_keep_gathered": case("fsdp", fsdp={"reshard_after_forward": False}),
     "fsdp_lars": {**case("fsdp"), "large_batch": LARS_SETTINGS},
     "zero1_lars": {**case("zero1"), "large_batch": LARS_SETTINGS},
+    "pipeline_gpipe": case("pipeline", pipeline={"stages": 2, "microbatches": 4, "schedule": "gpipe",
+                                                 "split_points": ["2"]}),
+    "pipeline_1f1b": case("pipeline", pipeline={"stages": 2, "microbatches": 4, "schedule": "1f1b"}),
 }
 # mixed precision runs (float32 model): they must keep every rank's scaler and parameters identical
 PRECISION_CASES: dict[str, dict[str, Any]] = {

@@ -39,7 +39,7 @@ def test_help_lists_commands(capsys: pytest.CaptureFixture[str]) -> None:
     (("run", str(DEMO), "--nnodes", "2"), "give the chief's --master-addr and --master-port"),
     (("run", str(DEMO), "--nnodes", "3", "--master-port", "29500"), "must be a multiple of --nnodes"),
     (("run", str(DEMO), "--node-rank", "1"), "--node-rank 1 must be in [0, 0]"),
-    (("run", str(DEMO), "--set", "optimizations.mixed_precision=O1"), "`optimizations.mixed_precision` = 'O1'"),
+    (("run", str(DEMO), "--set", "optimizations.mixed_precision=O3"), "`optimizations.mixed_precision` = 'O3'"),
     (("run", str(DEMO), "--set", "entrypoint=model_def:Nope"), "has no attribute `Nope`"),
     (("run", str(DEMO), "--bogus"), "unrecognized arguments: --bogus"),
     (("run", str(DEMO), "--nnodes", "two"), "invalid int value: 'two'"),

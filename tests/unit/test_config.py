@@ -264,7 +264,7 @@ def test_yaml_file_errors(tmp_path: Path) -> None:
 
 
 def test_unbuilt_features_are_refused_by_name() -> None:
-    config = load_config(None, raw=config_with(optimizations={"mixed_precision": "O1"})).config
+    config = load_config(None, raw=config_with(optimizations={"mixed_precision": "O3"})).config
     with pytest.raises(ConfigError, match="optimizations.mixed_precision"):
         check_buildable(config)
     check_buildable(load_config(None, raw=BASE).config)

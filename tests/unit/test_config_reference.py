@@ -41,7 +41,7 @@ def test_every_key_has_a_description_and_a_row() -> None:
 
 def test_reference_marks_what_is_not_built_and_which_option_belongs_to_whom() -> None:
     rows = {line.split(" | ")[0].strip("| `"): line for line in generate().splitlines() if line.startswith("| `")}
-    assert "`O1` (not built yet)" in rows["optimizations.mixed_precision"]
+    assert "`O3` (not built yet)" in rows["optimizations.mixed_precision"]
     assert "`local_sgd`," in rows["distributed.strategy"]
     assert "`parameter_server`," in rows["distributed.strategy"]
     assert "(only for name `topk`)" in rows["distributed.compression.ratio"]

@@ -1,0 +1,256 @@
+"""Pipeline x data parallelism on a 2-D DeviceMesh ("data", "pipeline"): the model is cut into p stages, rank
+d*p + s runs stage s of pipeline replica d, and each replica's batch is split into m microbatches that a
+schedule from torch.distributed.pipelining (GPipe or 1F1B) moves through the stages. After the backward pass
+each stage's gradients are averaged over the replicas (the "data" dimension), so every replica applies the same
+update. The interleaved schedules are not offered: on gloo they may hang (pytorch/PiPPy#944).
+
+Where the model is cut: `distributed.pipeline.split_points` names the top-level children where stages 2..p
+begin; else a model method `pipeline_stages(p)` returns the p stage modules; else the children are cut into p
+runs of equal length. The top-level children must run in order (an nn.Sequential). The loss of the last stage
+comes from the Trial's `pipeline_loss(outputs, targets)`, and batches are `(inputs, targets)`.
+
+Every rank keeps the whole model: it trains only its stage's parameters (the others get no gradient, so the
+optimizer leaves them and keeps no state for them), and before validation, checkpoints and the replica check the
+stages are broadcast from their owners, so validation, `model.pt` and the replica check see one whole model.
+The memory a pipeline saves (activations and optimizer state of one stage) is therefore only partly realised:
+parameters are held whole on every rank.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from dtrain.comm import Topology, all_gather_object, device_mesh
+from dtrain.config import ExperimentConfig
+from dtrain.errors import ConfigError, TrialError
+from dtrain.sync.base import ComputePhases, TrainBatch
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def cut_model(model: nn.Module, stages: int, split_points: Sequence[str]) -> list[nn.Module]:
+    """The model's p stages (sharing its parameters): cut at `split_points`, by the model's own
+    `pipeline_stages(p)`, or into equal runs of its top-level children."""
+    own_cut = getattr(model, "pipeline_stages", None)
+    if not split_points and callable(own_cut):
+        parts = list(own_cut(stages))
+        if len(parts) != stages:
+            raise TrialError(f"the model's pipeline_stages({stages}) returned {len(parts)} modules; return {stages}")
+        return parts
+    children = list(model.named_children())
+    names = [name for name, _ in children]
+    if split_points:
+        missing = [point for point in split_points if point not in names]
+        if missing:
+            raise ConfigError(f"distributed.pipeline.split_points {list(split_points)}: {', '.join(missing)} is not "
+                              f"a top-level child of the model; its children are {', '.join(names)}")
+        cuts = [names.index(point) for point in split_points]
+        if cuts != sorted(cuts) or 0 in cuts or len(set(cuts)) != len(cuts):
+            raise ConfigError(f"distributed.pipeline.split_points {list(split_points)} must name children in model "
+                              f"order after the first ({', '.join(names)}), one per stage boundary")
+    else:
+        if len(children) < stages:
+            raise ConfigError(f"the model has {len(children)} top-level children, fewer than the {stages} stages; "
+                              "lower distributed.pipeline.stages or name split_points")
+        cuts = [round(len(children) * s / stages) for s in range(1, stages)]
+    bounds = [0, *cuts, len(children)]
+    return [nn.Sequential(OrderedDict(children[bounds[s]:bounds[s + 1]])) for s in range(stages)]
+
+
+class PipelineStrategy:
+    """Stages over the mesh's "pipeline" dimension, replicas over its "data" dimension. Core protocol plus
+    RunsForwardBackward (the schedule), Consolidating and OwnsCheckpointState (stages gathered from their owners)."""
+
+    name = "pipeline"
+
+    def __init__(self, topology: Topology, *, stages: int, microbatches: int, schedule: str,
+                 split_points: Sequence[str] = ()) -> None:
+        self.topology = topology
+        self.stages = stages
+        self.microbatches = microbatches
+        self.schedule_name = schedule
+        self.split_points = list(split_points)
+        self.replicas = topology.world_size // stages
+        self.mesh = device_mesh(topology, (self.replicas, stages), ("data", "pipeline"))
+        self.stage_index = self.mesh.get_local_rank("pipeline")
+        self.pipeline_group = self.mesh.get_group("pipeline")
+        self.data_group = self.mesh.get_group("data")
+        self._model: nn.Module | None = None
+        self._parts: list[nn.Module] = []
+        self._schedule: Any = None
+        self._schedule_key: tuple[Any, ...] = ()
+        self._loss_scale = 1.0
+        self._losses: list[torch.Tensor] = []
+        self._pipeline_loss: Any = None
+        self._stale = False
+
+    # ------------------------------------------------------------------------------- core protocol
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        self._model = model
+        self._parts = cut_model(model, self.stages, self.split_points)
+        return model
+
+    def unwrap_model(self) -> nn.Module:
+        """The whole model, its stages gathered from their owners when they changed (collective)."""
+        assert self._model is not None, "wrap_model() first"
+        if self._stale:
+            self._gather_stages()
+        return self._model
+
+    def no_sync(self) -> AbstractContextManager[Any]:
+        return nullcontext()  # gradients are averaged over the replicas only when forward_backward communicates
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+        self._stale = True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def describe(self) -> dict[str, Any]:
+        sizes = [sum(p.numel() for p in part.parameters()) for part in self._parts]
+        return {"name": self.name, "stages": self.stages, "replicas": self.replicas,
+                "microbatches": self.microbatches, "schedule": self.schedule_name,
+                "stage_parameters": sizes,
+                "bubble_fraction": (self.stages - 1) / (self.microbatches + self.stages - 1)}
+
+    def close(self) -> None:
+        self._schedule = None
+
+    # ---------------------------------------------------------------------------------- extensions
+
+    def forward_backward(self, model: nn.Module, batch: Any, train_batch: TrainBatch, *, loss_scale: float,
+                         communicate: bool, phases: ComputePhases) -> Mapping[str, Any]:
+        """Run the schedule over this replica's batch; the last stage's mean loss is broadcast to the pipeline."""
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise TrialError("strategy pipeline needs batches of (inputs, targets); the batch was "
+                             f"{type(batch).__name__}")
+        self._pipeline_loss = _trial_loss(train_batch)
+        inputs, targets = batch
+        self._loss_scale = loss_scale
+        self._losses = []
+        model.train()
+        last = self.stage_index == self.stages - 1
+        with phases.forward():
+            self._prepare_schedule(inputs)
+            if self.stage_index == 0:
+                self._schedule.step(inputs, target=targets if last else None)
+            elif last:
+                self._schedule.step(target=targets)
+            else:
+                self._schedule.step()
+        with phases.backward():
+            if communicate and self.replicas > 1:
+                self._average_over_replicas()
+            mean = (torch.stack(self._losses).mean() if last else torch.zeros((), dtype=torch.float64)).double()
+            source = dist.get_global_rank(self.pipeline_group, self.stages - 1)
+            dist.broadcast(mean, src=source, group=self.pipeline_group)
+        return {"loss": mean}
+
+    def consolidate(self, *, snapshot: bool = False) -> None:
+        self.unwrap_model()
+
+    def model_state_dict(self) -> dict[str, Any]:
+        return self.unwrap_model().state_dict()
+
+    def load_model_state_dict(self, state: dict[str, Any]) -> None:
+        self.unwrap_model().load_state_dict(state)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """One optimizer state for the whole model: each parameter's state from the rank of its stage."""
+        owner = self._owner_by_index(optimizer)
+        mine = optimizer.state_dict()
+        states = all_gather_object(mine["state"])  # ranks d*p + s: replica 0's stages come first
+        merged = {index: states[owner[index]][index] for index in owner if index in states[owner[index]]}
+        return {"state": merged, "param_groups": mine["param_groups"]}
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Load the whole state, then keep only this stage's part (no memory for the other stages)."""
+        optimizer.load_state_dict(state)
+        own = {id(p) for p in self._parts[self.stage_index].parameters()}
+        for parameter in list(optimizer.state):
+            if id(parameter) not in own:
+                del optimizer.state[parameter]
+
+    # ------------------------------------------------------------------------------------- internals
+
+    def _prepare_schedule(self, inputs: torch.Tensor) -> None:
+        """Build the stage and its schedule for this microbatch shape (again when the batch size changes). The
+        stage's input and output shapes are given, computed locally from the whole model on a microbatch: with
+        runtime shape inference the stages' metadata exchange deadlocked on gloo (both ends sending, torch 2.13).
+        Inputs and outputs that carry gradients must say so, or the stages exchange no gradients."""
+        micro = inputs[: max(inputs.shape[0] // self.microbatches, 1)]
+        key = (tuple(micro.shape), micro.dtype, torch.is_autocast_enabled(self.topology.device.type))
+        if self._schedule is not None and key == self._schedule_key:
+            return
+        with torch.no_grad():
+            stage_input = micro
+            for part in self._parts[:self.stage_index]:
+                stage_input = part(stage_input)
+        if self.stage_index > 0:  # activations from the previous stage carry gradients back to it
+            stage_input = stage_input.detach().requires_grad_(True)
+        stage_output = self._parts[self.stage_index](stage_input).detach().requires_grad_(True)
+        stage = PipelineStage(self._parts[self.stage_index], self.stage_index, self.stages, self.topology.device,
+                              input_args=(stage_input,), output_args=stage_output, group=self.pipeline_group)
+        # every stage gets the loss function: a schedule without one runs no backward pass at all
+        self._schedule = SCHEDULES[self.schedule_name](stage, n_microbatches=self.microbatches, loss_fn=self._loss,
+                                                       scale_grads=False)
+        self._schedule_key = key
+
+    def _loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self._pipeline_loss(outputs, targets)
+        self._losses.append(loss.detach())
+        return loss * (self._loss_scale / self.microbatches)
+
+    def _average_over_replicas(self) -> None:
+        grads = [p.grad for p in self._parts[self.stage_index].parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.data_group)
+        flat /= self.replicas
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def _gather_stages(self) -> None:
+        for index, part in enumerate(self._parts):
+            source = dist.get_global_rank(self.pipeline_group, index)
+            for tensor in [*part.parameters(), *part.buffers()]:
+                dist.broadcast(tensor.data, src=source, group=self.pipeline_group)
+        self._stale = False
+
+    def _owner_by_index(self, optimizer: torch.optim.Optimizer) -> dict[int, int]:
+        """Optimizer parameter index (state_dict order: the param groups' parameters in turn) -> the global rank
+        (in replica 0, rank = stage) that trains it."""
+        stage_of = {id(p): s for s, part in enumerate(self._parts) for p in part.parameters()}
+        ordered = [p for group in optimizer.param_groups for p in group["params"]]
+        return {index: stage_of[id(p)] for index, p in enumerate(ordered) if id(p) in stage_of}
+
+
+def _trial_loss(train_batch: TrainBatch) -> Any:
+    """The Trial's `pipeline_loss(outputs, targets)` (train_batch is the Trial's bound method)."""
+    loss = getattr(getattr(train_batch, "__self__", None), "pipeline_loss", None)
+    if loss is None:
+        raise TrialError("strategy pipeline needs the Trial's pipeline_loss(outputs, targets) -> the mean loss of "
+                         "a microbatch from the last stage's outputs; define it on the Trial")
+    return loss
+
+
+def build_pipeline(config: ExperimentConfig, topology: Topology) -> PipelineStrategy:
+    p = config.distributed.pipeline
+    return PipelineStrategy(topology, stages=p.stages, microbatches=p.microbatches, schedule=p.schedule,
+                            split_points=p.split_points)
