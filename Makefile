@@ -67,6 +67,7 @@ bench: setup
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/horovod_compat.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/horovod_accuracy.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/search.py
+	flock /tmp/dtrain-bench.lock $(PY) benchmarks/svm.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/determined_compat.py
 
 lint: setup
