@@ -32,6 +32,7 @@ class NodeSpec:
     master_port: int | None = None
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
+    network_interface: str | None = None  # this node's interface to the others (--network-interface)
 
     def validate(self, world_size: int) -> None:
         if self.nnodes < 1:
@@ -59,9 +60,11 @@ class LaunchResult:
     message: str | None = None
 
 
-def _worker_environment(nproc_per_node: int) -> None:
-    """Variables every worker inherits: thread count, loopback for gloo, and a marker for the worker."""
+def _worker_environment(nproc_per_node: int, network_interface: str | None = None) -> None:
+    """Variables every worker inherits: thread count, this node's network interface, and a marker for the worker."""
     os.environ["DTRAIN_LAUNCHER"] = "1"
+    if network_interface:
+        os.environ["DTRAIN_NETWORK_INTERFACE"] = network_interface
     if "OMP_NUM_THREADS" not in os.environ:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         os.environ["OMP_NUM_THREADS"] = str(max(cores // nproc_per_node, 1))
@@ -90,7 +93,7 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
     else:
         backend, endpoint, rdzv_configs = "static", f"{node.master_addr}:{node.master_port}", {"rank": node.node_rank}
     run_id = node.rdzv_id or (uuid.uuid4().hex if local else f"dtrain-{config.name}")
-    _worker_environment(nproc)
+    _worker_environment(nproc, node.network_interface)
     (run_dir / FATAL_FILE).unlink(missing_ok=True)
     launch_config = LaunchConfig(
         min_nodes=node.nnodes, max_nodes=node.nnodes, nproc_per_node=nproc, run_id=run_id,

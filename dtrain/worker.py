@@ -88,8 +88,9 @@ def run_worker(args: argparse.Namespace) -> int:
         exec_command(config.entry.argv, run_dir, config_dir, launch.rank)
     torch.set_num_threads(_threads_per_worker())
     servers = config.distributed.parameter_server.servers if config.distributed.strategy == "parameter_server" else 0
+    interface = os.environ.get("DTRAIN_NETWORK_INTERFACE") or config.distributed.network_interface
     topology = init_distributed(backend=config.distributed.backend, timeout_seconds=config.distributed.timeout_seconds,
-                                servers=servers)
+                                servers=servers, network_interface=interface)
     if topology.is_server:
         config_dir = loaded.base_dir if args.config is not None else load_run_info(run_dir).config_dir
         return _serve(run_dir, config, topology, config_dir)

@@ -7,8 +7,10 @@ to a single process.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -122,14 +124,95 @@ def choose_backend(requested: str) -> str:
     return requested
 
 
+def interface_addresses() -> dict[str, str]:
+    """Every network interface of this machine (this network namespace) that has an IPv4 address: name -> address."""
+    import fcntl
+    import struct
+
+    found: dict[str, str] = {}
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+            except OSError:
+                continue
+            found[name] = socket.inet_ntoa(packed[20:24])
+    return found
+
+
+def route_interface(master_addr: str) -> str | None:
+    """The interface whose address this machine sends from to reach `master_addr` (`lo` for loopback), or None
+    when no route is known (gloo then picks by the hostname)."""
+    if master_addr in LOOPBACK_HOSTS:
+        return "lo"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((socket.gethostbyname(master_addr), 9))  # UDP: picks the route, sends nothing
+            source = probe.getsockname()[0]
+    except OSError:
+        return None
+    named = [name for name, address in interface_addresses().items() if address == source]
+    return named[0] if named else None
+
+
+_NO_ROUTE = {errno.EINVAL, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL}
+
+
+def check_interface(name: str, master_addr: str | None, master_port: int | None, timeout_seconds: float) -> None:
+    """Fail with one line naming the interface and the peer, instead of letting gloo hang until its timeout, when
+    `name` has no address here or cannot reach the master's store (retried until the timeout while refused: the
+    master may not listen yet; at once when the interface has no route there)."""
+    addresses = interface_addresses()
+    if name not in addresses:
+        shown = ", ".join(f"{n} ({a})" for n, a in sorted(addresses.items()))
+        raise LaunchError(f"network interface {name!r} has no IPv4 address on this machine (it has: {shown}); set "
+                          "--network-interface / distributed.network_interface to the one that reaches the master, "
+                          "or leave it out to pick it from the route")
+    if master_addr is None or master_port is None or master_addr in LOOPBACK_HOSTS:
+        return
+    source, deadline = addresses[name], time.monotonic() + timeout_seconds
+    while True:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                probe.settimeout(max(min(5.0, deadline - time.monotonic()), 0.1))
+                probe.bind((source, 0))
+                probe.connect((master_addr, master_port))
+                return
+        except OSError as exc:
+            failure = exc
+            if exc.errno in _NO_ROUTE or time.monotonic() >= deadline:
+                break
+        time.sleep(0.5)
+    right = route_interface(master_addr)
+    hint = f" (the route to it goes through {right})" if right and right != name else ""
+    raise LaunchError(f"network interface {name} ({source}) cannot reach the master {master_addr}:{master_port}"
+                      f"{hint}: {failure.strerror or failure}; set --network-interface / distributed.network_interface"
+                      " to the interface the machines share")
+
+
+def choose_interface(requested: str | None, launch: LaunchEnv, timeout_seconds: float) -> None:
+    """Export GLOO_SOCKET_IFNAME (and TP_SOCKET_IFNAME for RPC) for this worker: the requested interface, one the
+    user exported already, or the one that routes to the master; checked before gloo would hang on it."""
+    name = requested or os.environ.get("GLOO_SOCKET_IFNAME") or (
+        route_interface(launch.master_addr) if launch.master_addr else None)
+    if name is None:
+        return
+    check_interface(name, launch.master_addr, launch.master_port, timeout_seconds)
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    os.environ.setdefault("TP_SOCKET_IFNAME", name)
+
+
 def init_distributed(*, backend: str = "auto", timeout_seconds: float = 600.0,
-                     environ: Mapping[str, str] | None = None, servers: int = 0) -> Topology:
+                     environ: Mapping[str, str] | None = None, servers: int = 0,
+                     network_interface: str | None = None) -> Topology:
     """Create the default process group from the launcher's environment and describe this process.
 
     With `servers` > 0 the launcher started that many parameter-server processes beside the workers: the
     last `servers` ranks. The default group then holds the workers only, and every process keeps the
     job's store for the RPC group that joins workers and servers (`dtrain.comm.rpc`)."""
     launch = read_launch_env(environ)
+    if choose_backend(backend) == "gloo" and (launch.world_size > 1 or launch.master_addr is not None):
+        choose_interface(network_interface, launch, timeout_seconds)
     if servers:
         return _init_with_servers(launch, backend, timeout_seconds, environ, servers)
     chosen = choose_backend(backend)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +33,18 @@ def register(subcommands: Any) -> argparse.ArgumentParser:
                           "is read as YAML)")
     run.add_argument("--run-dir", type=Path, help="where the run's files go (default: runs/<name>/<id>/); an "
                                                  "existing unfinished run there is resumed")
-    run.add_argument("--nnodes", type=int, default=1, help="machines in the job (default 1)")
-    run.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0 on the chief")
-    run.add_argument("--master-addr", default="127.0.0.1",
+    run.add_argument("--nnodes", type=int, help="machines in the job (default 1, or PET_NNODES in a PyTorchJob)")
+    run.add_argument("--node-rank", type=int, help="this machine's index, 0 on the chief (default 0, or "
+                                                     "PET_NODE_RANK)")
+    run.add_argument("--master-addr",
                      help="the chief's address; the rendezvous listens on loopback unless this is given "
-                          "(default 127.0.0.1)")
+                          "(default 127.0.0.1, or PET_MASTER_ADDR)")
     run.add_argument("--master-port", type=int, help="the chief's rendezvous port (default: a free port)")
     run.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                      help="c10d rendezvous endpoint shared by all nodes, instead of --node-rank/--master-*")
+    run.add_argument("--network-interface", metavar="NAME",
+                     help="this machine's network interface to the other nodes, for gloo (default: "
+                          "distributed.network_interface, else the one that routes to --master-addr)")
     run.add_argument("--rdzv-id", help="job id for the c10d rendezvous (default: dtrain-<name>)")
     run.add_argument("--slots", type=int, help="a search (searcher random, grid, adaptive_asha or optuna): the slots "
                      "this machine gives its trials (default: its cores); trials run side by side as the slots allow")
@@ -82,8 +88,10 @@ def run_experiment(args: argparse.Namespace) -> int:
     loaded = load_config(args.config, args.overrides)
     config = loaded.config
     check_buildable(config)
+    _node_options_from_environment(args, os.environ)
     node = NodeSpec(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                    master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
+                    master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                    network_interface=args.network_interface)
     node.validate(config.resources.world_size)
     if config.is_command:  # a command that cannot start fails here, before any worker starts
         check_command(config.entry.argv, loaded.base_dir)
@@ -115,14 +123,38 @@ def run_experiment(args: argparse.Namespace) -> int:
     return ExitCode.OK if summary.get("status") == "completed" else ExitCode.STOPPED
 
 
+# Kubeflow's PyTorchJob (training-operator) sets these in every pod for torchrun; `dtrain run` reads them too.
+PET_VARIABLES = {"PET_NNODES": ("nnodes", 1, int), "PET_NODE_RANK": ("node_rank", 0, int),
+                 "PET_MASTER_ADDR": ("master_addr", "127.0.0.1", str), "PET_MASTER_PORT": ("master_port", None, int),
+                 "PET_RDZV_ENDPOINT": ("rdzv_endpoint", None, str)}
+
+
+def _node_options_from_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    """Fill --nnodes, --node-rank, --master-addr, --master-port and --rdzv-endpoint from the PET_* variables of a
+    Kubeflow PyTorchJob where the option was not given (an option on the command line wins), then the defaults."""
+    for variable, (dest, default, kind) in PET_VARIABLES.items():
+        raw = environ.get(variable)
+        if getattr(args, dest) is not None:
+            continue
+        setattr(args, dest, default)
+        if raw is None:
+            continue
+        if variable == "PET_RDZV_ENDPOINT" and environ.get("PET_RDZV_BACKEND", "c10d") == "static":
+            continue  # the static backend is the master address and port, read above
+        try:
+            setattr(args, dest, kind(raw))
+        except ValueError:
+            raise ConfigError(f"environment variable {variable}={raw!r} (set by the PyTorchJob) must be "
+                              f"{'an integer' if kind is int else 'text'}") from None
+
+
 def _run_search(args: argparse.Namespace) -> int:
     """`dtrain run` of a search: its trials, each an ordinary run, on this machine's slots (docs/search.md)."""
-    import os
 
     from dtrain.runs.rundir import runs_root
     from dtrain.search.runner import SearchRunner, raw_config
 
-    if args.nnodes != 1 or args.rdzv_endpoint or args.run_dir or args.experiment_id is not None:
+    if args.nnodes not in (None, 1) or args.rdzv_endpoint or args.run_dir or args.experiment_id is not None:
         raise ConfigError("a search runs each trial on this machine with its own run dir: drop --nnodes, "
                           "--rdzv-endpoint, --run-dir and --experiment-id (use --search-dir for where the trials go, "
                           "--storage to share the study with other machines)")

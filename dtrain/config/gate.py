@@ -12,7 +12,6 @@ from dtrain.errors import ConfigError
 NOT_BUILT_YET: list[tuple[str, tuple[Any, ...], str]] = [
     ("optimizations.mixed_precision", ("O0", "O1", "O2"), "O3 (pure fp16 weights) is not built; O1 and O2 run as "
      "`optimizations.precision: fp16` (autocast and a loss scaler)"),
-    ("distributed.network_interface", (None,), "choosing the network interface is not built yet"),
     ("searcher.name", ("single",), "a search runs through `dtrain run` (random and grid; docs/search.md), not "
      "inside one run"),
 ]

@@ -79,8 +79,9 @@ class Replica(nn.Module):
 
 class AllReduceStrategy:
     """DDP with buckets of `bucket_cap_mb` (or tuned ones) and the comm hook for `op`; with one process the
-    model runs unwrapped (nothing to synchronize). Core protocol plus the BucketObserving and WireMetering
-    extensions (dtrain.sync.base)."""
+    model runs unwrapped (nothing to synchronize). Core protocol plus the BucketObserving, WireMetering and
+    Consolidating (a fresh DDP wrapper at each checkpoint, for bitwise-identical restarts) extensions
+    (dtrain.sync.base)."""
 
     name = "allreduce"
 
@@ -177,6 +178,18 @@ class AllReduceStrategy:
         self._replica = None
 
     # ---------------------------------------------------------------------------------- extensions
+
+    def consolidate(self, *, snapshot: bool = False) -> None:
+        """Before a checkpoint (`snapshot`), with 3 or more ranks: build the DDP wrapper anew, so that the next step
+        runs with DDP's initial bucket layout, as the first step of a run resumed from this checkpoint will.
+
+        DDP reduces its first iteration with buckets in reverse parameter order and then rebuilds them in the order
+        gradients became ready. The layout decides where gloo's ring cuts the flat buffer into per-rank chunks, and
+        so the order in which each element's sum is accumulated; with 3 or more ranks float addition is not
+        associative, and a resumed run would differ from an uninterrupted one in the last bits from its first step
+        on. Replicas never differ, so validation needs nothing."""
+        if snapshot and self._replica is not None and self.topology.world_size > 2 and not self.find_unused_parameters:
+            self._switch_bucket_size(self.bucket_cap_mb)
 
     def take_wire_stats(self) -> WireStats | None:
         """Bytes this rank sent since the last call (None with one process: nothing is sent)."""

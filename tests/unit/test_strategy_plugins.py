@@ -73,10 +73,21 @@ def test_an_unregistered_strategy_is_one_clear_error(monkeypatch: pytest.MonkeyP
         build_strategy(load_config(None, raw=copy.deepcopy(RAW)).config, ONE_PROCESS)
 
 
-def test_allreduce_is_the_core_plus_bucket_observation_and_wire_metering() -> None:
+def test_allreduce_is_the_core_plus_bucket_observation_wire_metering_and_consolidation() -> None:
     strategy = build_strategy(load_config(None, raw=copy.deepcopy(RAW)).config, ONE_PROCESS)
     assert isinstance(strategy, AllReduceStrategy) and isinstance(strategy, SyncStrategy)
-    assert {kind for kind in EXTENSIONS if isinstance(strategy, kind)} == {BucketObserving, WireMetering}
+    assert {kind for kind in EXTENSIONS if isinstance(strategy, kind)} == {BucketObserving, WireMetering,
+                                                                           Consolidating}
+    strategy.consolidate(snapshot=True)  # one process: nothing to rebuild
+
+
+def test_local_sgd_and_hierarchical_are_registered_with_their_extensions() -> None:
+    raw = copy.deepcopy(RAW)
+    raw["distributed"] = {"strategy": "local_sgd"}
+    local = build_strategy(load_config(None, raw=raw).config, ONE_PROCESS)
+    assert {kind for kind in EXTENSIONS if isinstance(local, kind)} == {Consolidating, WireMetering, ReportingMetrics}
+    raw["distributed"] = {"strategy": "hierarchical"}
+    assert build_strategy(load_config(None, raw=raw).config, ONE_PROCESS).name == "hierarchical"
 
 
 def test_zero1_adds_a_sharded_optimizer_and_its_checkpoint_state_to_allreduce() -> None:

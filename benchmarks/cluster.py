@@ -1,0 +1,176 @@
+"""A cluster of "nodes" on one machine: each node a network namespace with its own loopback and one Ethernet-like
+link to the others, capped by a token bucket, so that traffic between nodes crosses a slow link while traffic
+inside a node stays on its fast loopback.
+
+    with emulated_cluster(nodes=2, rate="200mbit") as cluster:
+        procs = [cluster.start(i, cluster.dtrain_run(i, "exp.yaml", run_dir, port)) for i in range(2)]
+
+Two nodes are joined by a veth pair; more than two by a bridge in the root namespace with one veth per node. Each
+link end gets a `tbf` qdisc at `rate` (per direction, as full-duplex Ethernet). The kernel here has no `netem`, so
+latency cannot be added on the link; dtrain's fault injection is the place for that. Every node then runs
+`dtrain run --nnodes N --node-rank i --master-addr <node 0's address>` inside its namespace, and the workers find
+their interface from the route to the master (dtrain.comm.topology.choose_interface).
+
+Needs root and iproute2 (`ip`, `tc`): `unavailable_reason()` says why not, so tests and benchmarks skip cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ClusterUnavailable(RuntimeError):
+    """The emulated cluster cannot be built here (not root, no iproute2, or namespaces are forbidden)."""
+
+
+def unavailable_reason() -> str | None:
+    """None when namespaces, veth links and tbf can be set up; otherwise why not, in one line."""
+    if os.geteuid() != 0:
+        return "the emulated cluster needs root (ip netns, veth, tc); run as root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"the emulated cluster needs `{tool}` from iproute2 (apt-get install iproute2)"
+    return None
+
+
+def _run(*argv: str) -> str:
+    result = subprocess.run(list(argv), capture_output=True, text=True)
+    if result.returncode != 0:
+        raise ClusterUnavailable(f"`{' '.join(argv)}` failed: {result.stderr.strip()}")
+    return result.stdout
+
+
+@dataclass(frozen=True)
+class Node:
+    """One emulated machine: its namespace, its link's name inside it and its address on that link."""
+
+    namespace: str
+    interface: str
+    address: str
+
+    def wrap(self, argv: Sequence[str]) -> list[str]:
+        """The command line that runs `argv` on this node."""
+        return ["ip", "netns", "exec", self.namespace, *argv]
+
+
+@dataclass
+class Cluster:
+    """The nodes, the rate of each node's link (None: uncapped), and the processes started on them."""
+
+    nodes: list[Node]
+    rate: str | None
+    processes: list[subprocess.Popen[str]] = field(default_factory=list)
+
+    @property
+    def master(self) -> Node:
+        return self.nodes[0]
+
+    def dtrain_run(self, node_rank: int, config: str | Path, run_dir: str | Path, port: int,
+                   extra: Sequence[str] = ()) -> list[str]:
+        """`dtrain run` of node `node_rank`, with the chief's address on the link as the master address."""
+        return [sys.executable, "-m", "dtrain.cli", "run", str(config), "--run-dir", str(run_dir), "--nnodes",
+                str(len(self.nodes)), "--node-rank", str(node_rank), "--master-addr", self.master.address,
+                "--master-port", str(port), *extra]
+
+    def start(self, node_rank: int, argv: Sequence[str], **kwargs: object) -> subprocess.Popen[str]:
+        """Start `argv` on a node (output to the caller's files or pipes, as `kwargs` say)."""
+        process = subprocess.Popen(self.nodes[node_rank].wrap(argv), text=True, **kwargs)  # type: ignore[call-overload]
+        self.processes.append(process)
+        return process  # type: ignore[no-any-return]
+
+    def run(self, node_rank: int, argv: Sequence[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(self.nodes[node_rank].wrap(argv), text=True, **kwargs)  # type: ignore[call-overload, no-any-return]
+
+    def describe(self) -> str:
+        link = f"tbf {self.rate} per direction" if self.rate else "uncapped"
+        return f"{len(self.nodes)} network namespaces, links {link}, addresses " + ", ".join(
+            n.address for n in self.nodes)
+
+
+def _shape(namespace: str | None, device: str, rate: str, burst: str, latency: str) -> None:
+    prefix = ["ip", "netns", "exec", namespace] if namespace else []
+    _run(*prefix, "tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", rate, "burst", burst, "latency", latency)
+
+
+@contextmanager
+def emulated_cluster(nodes: int = 2, rate: str | None = "200mbit", *, subnet: str = "10.77.0",
+                     burst: str = "256kbit", latency: str = "50ms") -> Iterator[Cluster]:
+    """Create `nodes` namespaces joined by links capped at `rate`; remove everything on exit."""
+    reason = unavailable_reason()
+    if reason:
+        raise ClusterUnavailable(reason)
+    if not 2 <= nodes <= 200:
+        raise ValueError(f"nodes must be in 2..200, got {nodes}")
+    tag = uuid.uuid4().hex[:6]
+    built: list[Node] = []
+    bridge = f"dtb{tag}" if nodes > 2 else None
+    links: list[str] = []  # root-namespace ends to delete
+    try:
+        if bridge:
+            _run("ip", "link", "add", bridge, "type", "bridge")
+            _run("ip", "link", "set", bridge, "up")
+        for index in range(nodes):
+            namespace, inner, outer = f"dtn{tag}{index}", f"dtv{tag}{index}", f"dto{tag}{index}"
+            _run("ip", "netns", "add", namespace)
+            built.append(Node(namespace, inner, f"{subnet}.{index + 1}"))
+            if bridge or index == 0:
+                peer = outer if bridge else f"dtv{tag}1"
+                _run("ip", "link", "add", inner, "type", "veth", "peer", "name", peer)
+                links.append(inner)
+                _run("ip", "link", "set", inner, "netns", namespace)
+                if bridge:
+                    _run("ip", "link", "set", outer, "master", bridge)
+                    _run("ip", "link", "set", outer, "up")
+            else:  # the second end of the pair
+                _run("ip", "link", "set", inner, "netns", namespace)
+        for node in built:
+            inside = ["ip", "netns", "exec", node.namespace]
+            _run(*inside, "ip", "link", "set", "lo", "up")
+            _run(*inside, "ip", "addr", "add", f"{node.address}/24", "dev", node.interface)
+            _run(*inside, "ip", "link", "set", node.interface, "up")
+            if rate:
+                _shape(node.namespace, node.interface, rate, burst, latency)
+        cluster = Cluster(built, rate)
+        yield cluster
+    finally:
+        for process in locals().get("cluster", Cluster([], None)).processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        for node in built:
+            subprocess.run(["ip", "netns", "del", node.namespace], capture_output=True)
+        for link in links:
+            subprocess.run(["ip", "link", "del", link], capture_output=True)
+        if bridge:
+            subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+
+
+def measure_link_mbit_per_s(cluster: Cluster, megabytes: int = 8) -> float:
+    """Send `megabytes` from node 1 to node 0 over the link with plain TCP; the achieved Mbit/s."""
+    server = ("import socket,sys\n"
+              f"s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);"
+              f"s.bind(('{cluster.master.address}',29999));s.listen(1);print('ready',flush=True)\n"
+              "c,_=s.accept();n=0\n"
+              "while (b:=c.recv(1<<20)): n+=len(b)\n")
+    client = ("import socket,time\n"
+              f"s=socket.create_connection(('{cluster.master.address}',29999));chunk=b'x'*(1<<20)\n"
+              f"t=time.perf_counter()\nfor _ in range({megabytes}): s.sendall(chunk)\n"
+              f"s.shutdown(socket.SHUT_WR);s.recv(1);print({megabytes}*8*1.048576/(time.perf_counter()-t))\n")
+    sink = cluster.start(0, [sys.executable, "-c", server], stdout=subprocess.PIPE)
+    assert sink.stdout is not None
+    sink.stdout.readline()
+    result = cluster.run(1, [sys.executable, "-c", client], capture_output=True, check=True)
+    sink.wait(timeout=60)
+    return float(result.stdout.strip())
+
+
+__all__ = ["Cluster", "ClusterUnavailable", "Node", "emulated_cluster", "measure_link_mbit_per_s",
+           "unavailable_reason"]
