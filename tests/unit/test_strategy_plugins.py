@@ -91,9 +91,9 @@ def test_local_sgd_and_hierarchical_are_registered_with_their_extensions() -> No
 
 
 def test_zero1_adds_a_sharded_optimizer_and_its_checkpoint_state_to_allreduce() -> None:
-    strategy = Zero1Strategy(ONE_PROCESS)
+    strategy = Zero1Strategy(ONE_PROCESS)  # Consolidating: allreduce's fresh DDP wrapper before checkpoints
     assert {kind for kind in EXTENSIONS if isinstance(strategy, kind)} == {
-        BucketObserving, WireMetering, OptimizerWrapping, OwnsCheckpointState}
+        BucketObserving, WireMetering, OptimizerWrapping, OwnsCheckpointState, Consolidating}
 
 
 def test_fsdp_is_the_core_plus_consolidation_and_checkpoint_state() -> None:
