@@ -73,7 +73,7 @@ def plot(records: Sequence[dict[str, Any]], spec: SearchSpec, rungs: Sequence[in
     right.set_xlabel(f"{spec.unit} trained (dashed: rung cuts)")
     right.set_ylabel(spec.metric)
     right.set_title("trials (dotted: stopped early)")
-    if len(records) <= 16:
+    if 0 < len(right.get_lines()) <= 16:
         right.legend(fontsize=6, ncol=2)
     figure.tight_layout()
     figure.savefig(path, dpi=100)

@@ -312,7 +312,10 @@ class SearchRunner:
                 if time.time() - last_beat > HEARTBEAT_SECONDS:
                     last_beat = time.time()
                     for item in running:
-                        optuna.trial.Trial(study, item.trial_id).set_user_attr(HEARTBEAT, last_beat)
+                        try:
+                            optuna.trial.Trial(study, item.trial_id).set_user_attr(HEARTBEAT, last_beat)
+                        except RuntimeError:  # finished meanwhile (another runner took it over): nothing to beat
+                            pass
                 for item in [r for r in running if r.process.poll() is not None]:
                     running.remove(item)
                     self._finish(study, storage, item, interrupted)

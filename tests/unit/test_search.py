@@ -151,3 +151,21 @@ def test_dtrain_run_refuses_bad_search_input_in_one_line_and_starts_nothing(
     err = capsys.readouterr().err.strip()
     assert message in err and err.count("\n") == 0 and "Traceback" not in err
     assert not search_dir.exists()  # nothing started, nothing written
+
+
+def test_a_trial_is_the_experiment_file_with_its_hyperparameters_global_batch_size_too() -> None:
+    from dtrain.config import load_config
+    from dtrain.search.runner import trial_settings
+    from tests.conftest import FIXTURES
+
+    spec = parse_searcher({"name": "adaptive_asha", "max_trials": 4, "max_time": 64, "time_metric": "batches",
+                           "metric": "accuracy", "smaller_is_better": False})
+    space = Space.parse({"global_batch_size": {"type": "categorical", "vals": [16, 64]},
+                         "learning_rate": {"type": "log", "minval": -2, "maxval": -1},
+                         "hidden": {"type": "categorical", "vals": [16, 32]}})
+    params = {"global_batch_size": 64, "learning_rate": 0.05, "hidden": 32}
+    assert {p.name for p in space.searchable} == set(params)
+    config = load_config(FIXTURES / "digits_search.yaml", trial_settings(params, spec)).config
+    assert config.global_batch_size == 64 and config.hyperparameters["learning_rate"] == 0.05
+    assert config.searcher.name == "single" and config.searcher.metric == "accuracy"
+    assert (config.searcher.max_length.value, config.searcher.max_length.unit) == (64, "batches")
