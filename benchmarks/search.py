@@ -100,17 +100,17 @@ def spent(trials: list[dict[str, Any]]) -> list[tuple[int, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="8 trials per search, 3,840-record epochs (minutes)")
+    parser.add_argument("--quick", action="store_true", help="8 trials per search, 2,048-record epochs (minutes)")
     parser.add_argument("--trials", type=int, help="trials per search (default 16; 8 with --quick)")
     parser.add_argument("--epochs", type=int, default=4, help="max length of a trial in epochs (default 4)")
     parser.add_argument("--records-per-epoch", type=int,
-                        help="records in an epoch (default 7,680; 3,840 with --quick); a multiple of 512")
+                        help="records in an epoch (default 4,096; 2,048 with --quick); a multiple of 512")
     parser.add_argument("--slots", type=int, default=2, help="slots for each search (default 2)")
     parser.add_argument("--searches", default="random,adaptive_asha,tpe_hyperband",
                         help="which searches to run, comma-separated (default all three)")
     args = parser.parse_args(argv)
     trials = args.trials or (8 if args.quick else 16)
-    records = args.records_per_epoch or (3840 if args.quick else 7680)
+    records = args.records_per_epoch or (2048 if args.quick else 4096)
     max_batches = args.epochs * records // BATCH
     first_rung = max_batches // 16
     searchers = {
