@@ -69,6 +69,7 @@ bench: setup
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/search.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/svm.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/determined_compat.py
+	flock /tmp/dtrain-bench.lock $(PY) benchmarks/model_scale.py
 
 lint: setup
 	$(VENV)/bin/ruff check dtrain tests benchmarks examples

@@ -121,7 +121,34 @@ def _train_all(topology: Topology, root: str, cases: dict[str, dict[str, Any]]) 
         if history is not None:
             results[name]["history"] = history
     results["agreement"] = _agreement(topology)
+    results["fsdp_resumed"] = _interrupted_and_resumed(topology, Path(root) / "fsdp_resumed", CASES["fsdp"])
     return results
+
+
+def _interrupted_and_resumed(topology: Topology, run_dir: Path, raw: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Checkpoints every 2 batches; the first attempt ends after batch 3 and its step-3 checkpoint is removed, as
+    if it had been killed during batch 3; a second Trainer resumes from step 2 and trains to the end."""
+    import shutil
+
+    sys.path.insert(0, str(FIXTURES))
+    from digits_trial import DigitsTrial
+
+    every = {**raw, "min_checkpoint_period": {"batches": 2}, "checkpoint_storage": {"save_trial_latest": 3}}
+    first = load_config(None, raw={**every, "faults": {"stop_after_batch": 3}}).config
+    if topology.rank == 0:
+        prepare_run_dir(first, run_dir, FIXTURES)
+    barrier()
+    trainer = Trainer(config=first, trial_class=DigitsTrial, topology=topology, run_info=load_run_info(run_dir))
+    assert trainer.fit()["status"] == "stopped"
+    if topology.rank == 0:
+        shutil.rmtree(run_dir / "checkpoints" / "step-3")
+        (run_dir / "checkpoints" / "latest").write_text("step-2")
+    barrier()
+    second = load_config(None, raw=every).config
+    trainer = Trainer(config=second, trial_class=DigitsTrial, topology=topology, run_info=load_run_info(run_dir))
+    assert trainer.resumed and trainer.state.steps_completed == 2
+    assert trainer.fit()["status"] == "completed"
+    return {k: v.detach().clone() for k, v in trainer.strategy.unwrap_model().state_dict().items()}
 
 
 def _reference(raw: dict[str, Any], make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]
@@ -198,3 +225,9 @@ def test_an_overflow_on_one_rank_skips_the_update_on_every_rank(trained: list[di
     assert first["history"] == second["history"] == [(1024.0, 0), (1024.0, 1), (512.0, 1)]
     assert first["scale"] == second["scale"] == 512.0
     assert all(torch.equal(a, b) for a, b in zip(first["params"], second["params"], strict=True))
+
+
+def test_an_interrupted_fsdp_run_resumes_bitwise_identical(trained: list[dict[str, Any]]) -> None:
+    for rank in trained:
+        uninterrupted = rank["fsdp"]["state"]
+        assert all(torch.equal(rank["fsdp_resumed"][k], uninterrupted[k]) for k in uninterrupted)

@@ -1,0 +1,422 @@
+"""Models that do not fit one worker: memory per rank of DDP, ZeRO-1 and FSDP2, a memory cap that DDP breaks and
+FSDP2 trains under, pipeline efficiency against the bubble formula, mixed-precision step time, and bf16/fp16
+accuracy against fp32 on the Fashion-MNIST demo.
+
+1. Memory (2 and 4 processes, gloo): the wide MLP of examples/wide_mlp (53 M parameters) with Adam, 2 steps
+   through dtrain's strategies (allreduce = DDP, zero1, fsdp). Per rank: model-state bytes (local parameters,
+   gradients, optimizer state tensors; DTensor shards by their local size), peak RSS, and `dtrain plan`'s
+   prediction (dtrain.plan.memory) with its error. Headline `fsdp_memory_fraction_4` = FSDP2 / DDP model-state
+   bytes at 4 ranks (target <= 0.30, ideal 0.25), `plan_memory_error_max`.
+2. Memory cap (2 processes): each worker's address space is capped (RLIMIT_AS) at its size after start-up plus
+   a budget between FSDP2's need and DDP's; DDP must fail to train, FSDP2 must train.
+3. Pipeline (2 processes, p = 2): ideal time = one process's forward+backward of the whole batch / p (no
+   bubble, no communication), measured = dtrain's pipeline strategy (GPipe) on the same batch; efficiency =
+   ideal / measured for m = 2, 4, 8 against m / (m + p - 1). Rounds alternate the two; the headline
+   `pipeline_efficiency_error_max` is the largest |median efficiency - formula| (target <= 0.08).
+4. Precision (1 process): step time of the wide MLP in bf16 and fp16 autocast over fp32, paired per round.
+5. Accuracy (full run only): `dtrain run examples/fashion_mnist/distributed.yaml` for 3 epochs on 2 workers in
+   fp32, bf16 and fp16; the difference in validation accuracy (target: within 0.5 points).
+
+    python benchmarks/model_scale.py            # all five, 3 rounds (about 15 minutes on 2 busy cores)
+    python benchmarks/model_scale.py --quick    # 1 and 3 to 4 with fewer rounds, no accuracy runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "examples" / "wide_mlp"))
+
+from common import dtrain_run, machine_info, markdown_table, median, ratio_headline, write_results  # noqa: E402
+
+WIDTH, BLOCKS, INPUTS, CLASSES = 2560, 8, 256, 10
+GB = 1e9
+
+
+# ------------------------------------------------------------------------------------------- processes
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _entry(rank: int, world: int, port: int, fn: Any, args: tuple[Any, ...], queue: Any) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", MALLOC_ARENA_MAX="2")
+    import torch
+
+    torch.set_num_threads(1)
+    from dtrain.comm import init_distributed, shutdown_distributed
+
+    try:
+        topology = init_distributed(backend="gloo", timeout_seconds=300)
+        queue.put((rank, fn(topology, *args)))
+        shutdown_distributed()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}))
+
+
+def spawn(fn: Any, world: int, *args: Any, timeout: float = 900) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = _free_port()
+    procs = [context.Process(target=_entry, args=(rank, world, port, fn, args, queue)) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    results: dict[int, dict[str, Any]] = {}
+    try:
+        for _ in range(world):
+            rank, value = queue.get(timeout=timeout)
+            results[rank] = value
+            if "error" in value:
+                break
+    finally:
+        for proc in procs:
+            proc.join(timeout=20)
+            if proc.is_alive():
+                proc.kill()
+    return [results.get(rank, {"error": "no answer (killed or hung)"}) for rank in range(world)]
+
+
+# ------------------------------------------------------------------------------------------- 1. memory
+
+
+def _local_bytes(tensor: Any) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return int(local.numel() * local.element_size())
+
+
+def _strategy(layout: str, topology: Any) -> Any:
+    from dtrain.sync.allreduce import AllReduceStrategy
+    from dtrain.sync.fsdp import FsdpStrategy
+    from dtrain.sync.zero import Zero1Strategy
+
+    return {"ddp": AllReduceStrategy, "zero1": Zero1Strategy, "fsdp": FsdpStrategy}[layout](topology)
+
+
+def _train_steps(topology: Any, layout: str, steps: int, batch: int) -> dict[str, Any]:
+    """Build the wide MLP under `layout`, train `steps` Adam steps; model-state bytes and peak RSS."""
+    import torch
+    import torch.nn.functional as F
+    from model_def import build_wide_mlp
+
+    torch.manual_seed(0)
+    model = build_wide_mlp(INPUTS, WIDTH, BLOCKS, CLASSES)
+    parameters = sum(p.numel() for p in model.parameters())
+    strategy = _strategy(layout, topology)
+    wrapped = strategy.wrap_model(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    if hasattr(strategy, "wrap_optimizer"):
+        optimizer = strategy.wrap_optimizer(optimizer)
+    inputs, labels = torch.randn(batch, INPUTS), torch.randint(0, CLASSES, (batch,))
+    for _ in range(steps):
+        F.cross_entropy(wrapped(inputs), labels).backward()
+        strategy.step(optimizer)
+    weights = sum(_local_bytes(p) for p in model.parameters())
+    grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    local_optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard in .optim
+    state = sum(_local_bytes(v) for s in local_optimizer.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor) and v.numel() > 1)
+    return {"parameters": parameters, "weight_bytes": weights, "gradient_bytes": grads, "optimizer_bytes": state,
+            "model_state_bytes": weights + grads + state,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def memory_rows(worlds: list[int], log: Any) -> list[dict[str, Any]]:
+    from dtrain.plan.memory import model_state_bytes
+
+    rows = []
+    for world in worlds:
+        for layout in ("ddp", "zero1", "fsdp"):
+            log(f"memory: {layout} on {world} processes ...")
+            ranks = spawn(_train_steps, world, layout, 2, 8)
+            if any("error" in r for r in ranks):
+                raise RuntimeError(f"{layout} x{world}: {ranks}")
+            measured = max(r["model_state_bytes"] for r in ranks)
+            predicted = model_state_bytes(ranks[0]["parameters"], layout, world, "adam").total_bytes
+            rows.append({"part": "memory", "layout": layout, "ranks": world, "parameters": ranks[0]["parameters"],
+                         "model_state_bytes_max_rank": measured,
+                         "model_state_bytes_per_rank": [r["model_state_bytes"] for r in ranks],
+                         "optimizer_bytes_per_rank": [r["optimizer_bytes"] for r in ranks],
+                         "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
+                         "plan_bytes": predicted, "plan_error": abs(predicted - measured) / measured})
+            log(f"  model state {measured / GB:.3f} GB per rank (plan {predicted / GB:.3f}), peak RSS "
+                f"{max(r['peak_rss_bytes'] for r in ranks) / GB:.2f} GB")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- 2. memory cap
+
+
+def _capped(topology: Any, layout: str, budget_bytes: int) -> dict[str, Any]:
+    """Cap this process's address space at its current size + `budget_bytes`, then try to train 2 steps."""
+    vsize = int(Path("/proc/self/stat").read_text().split()[22])
+    limit = vsize + budget_bytes
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    try:
+        result = _train_steps(topology, layout, 2, 8)
+        return {"trained": True, "model_state_bytes": result["model_state_bytes"], "limit_bytes": limit}
+    except (MemoryError, RuntimeError) as exc:
+        return {"trained": False, "error": f"{type(exc).__name__}: {str(exc)[:160]}", "limit_bytes": limit}
+
+
+def cap_rows(budget_gb: float, log: Any) -> list[dict[str, Any]]:
+    rows = []
+    for layout in ("ddp", "fsdp"):
+        log(f"memory cap: {layout} on 2 processes, {budget_gb:g} GB over start-up ...")
+        ranks = spawn(_capped, 2, layout, int(budget_gb * GB), timeout=600)
+        trained = all(r.get("trained") for r in ranks)
+        rows.append({"part": "memory_cap", "layout": layout, "ranks": 2, "budget_bytes": budget_gb * GB,
+                     "trained": trained, "details": ranks})
+        log(f"  {layout}: {'trained' if trained else 'failed: ' + str([r.get('error') for r in ranks])}")
+    return rows
+
+
+# ------------------------------------------------------------------------------------------- 3. pipeline
+
+
+def _pipeline(topology: Any, microbatches: list[int], rounds: int, batch: int, width: int) -> dict[str, Any]:
+    """Per round: rank 0 times the whole model's forward+backward alone (rank 1 waits), then both run the
+    pipeline strategy (GPipe, p=2) for each m. Median of 3 steps each, after a warm-up step."""
+    from contextlib import nullcontext
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from model_def import build_wide_mlp
+
+    from dtrain.sync.pipeline import PipelineStrategy
+
+    class Trial:
+        def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(outputs, targets)
+
+        def train_batch(self, batch: Any, model: Any) -> Any:
+            raise NotImplementedError
+
+    class Phases:
+        def forward(self) -> Any:
+            return nullcontext()
+
+        def backward(self) -> Any:
+            return nullcontext()
+
+    torch.manual_seed(0)
+    inputs, labels = torch.randn(batch, INPUTS), torch.randint(0, CLASSES, (batch,))
+    trial, phases = Trial(), Phases()
+    strategies = {}
+    for m in microbatches:
+        model = build_wide_mlp(INPUTS, width, BLOCKS, CLASSES)
+        strategy = PipelineStrategy(topology, stages=2, microbatches=m, schedule="gpipe")
+        strategies[m] = (strategy, strategy.wrap_model(model))
+    reference = build_wide_mlp(INPUTS, width, BLOCKS, CLASSES)
+
+    def timed(run: Any) -> float:
+        run()
+        times = []
+        for _ in range(3):
+            dist.barrier()
+            started = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - started)
+        return sorted(times)[1]
+
+    out: dict[str, list[float]] = {"whole": []}
+    for _ in range(rounds):
+        if topology.rank == 0:
+            def whole() -> None:
+                F.cross_entropy(reference(inputs), labels).backward()
+                reference.zero_grad(set_to_none=True)
+            whole()
+            out["whole"].append(sorted(_time_alone(whole) for _ in range(3))[1])
+        dist.barrier()
+        for m, (strategy, model) in strategies.items():
+            def piped(strategy: Any = strategy, model: Any = model) -> None:
+                strategy.forward_backward(model, (inputs, labels), trial.train_batch, loss_scale=1.0,
+                                          communicate=True, phases=phases)
+                model.zero_grad(set_to_none=True)
+            out.setdefault(f"m{m}", []).append(timed(piped))
+    return out
+
+
+def _time_alone(run: Any) -> float:
+    started = time.perf_counter()
+    run()
+    return time.perf_counter() - started
+
+
+def pipeline_rows(microbatches: list[int], rounds: int, log: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    from dtrain.plan.memory import pipeline_efficiency
+
+    log(f"pipeline: p=2, m={microbatches}, {rounds} rounds ...")
+    ranks = spawn(_pipeline, 2, microbatches, rounds, 256, 1024, timeout=1200)
+    if any("error" in r for r in ranks):
+        raise RuntimeError(f"pipeline: {ranks}")
+    times = ranks[0]
+    rows, errors, headline = [], [], {}
+    for m in microbatches:
+        measured = times[f"m{m}"]
+        ideal = [whole / 2 for whole in times["whole"]]
+        ratio = ratio_headline(f"pipeline_efficiency_m{m}", ideal, measured)
+        formula = pipeline_efficiency(2, m)
+        error = abs(ratio[f"pipeline_efficiency_m{m}"] - formula)
+        errors.append(error)
+        headline.update(ratio)
+        efficiency = ratio[f"pipeline_efficiency_m{m}"]
+        rows.append({"part": "pipeline", "microbatches": m, "stages": 2, "efficiency": efficiency,
+                     "formula": formula, "error": error, "pipeline_seconds": measured, "ideal_seconds": ideal})
+        log(f"  m={m}: efficiency {ratio[f'pipeline_efficiency_m{m}']:.3f} (formula {formula:.3f})")
+    headline["pipeline_efficiency_error_max"] = max(errors)
+    return rows, headline
+
+
+# ------------------------------------------------------------------------------------------ 4. precision
+
+
+def precision_rows(rounds: int, log: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    import torch
+    import torch.nn.functional as F
+    from model_def import build_wide_mlp
+
+    from dtrain.train.precision import cpu_has_native_bf16
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build_wide_mlp(INPUTS, 1024, BLOCKS, CLASSES)
+    inputs, labels = torch.randn(128, INPUTS), torch.randint(0, CLASSES, (128,))
+
+    def step(dtype: Any) -> float:
+        started = time.perf_counter()
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            loss = F.cross_entropy(model(inputs), labels)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - started
+
+    times: dict[str, list[float]] = {"fp32": [], "bf16": [], "fp16": []}
+    dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    for name in times:
+        step(dtypes[name])  # warm-up
+    for _ in range(rounds):
+        for name, dtype in dtypes.items():
+            times[name].append(median([step(dtype) for _ in range(5)]))
+    headline = {**ratio_headline("bf16_step_time_over_fp32", times["bf16"], times["fp32"]),
+                **ratio_headline("fp16_step_time_over_fp32", times["fp16"], times["fp32"]),
+                "cpu_has_native_bf16": cpu_has_native_bf16()}
+    log(f"precision: bf16/fp32 {headline['bf16_step_time_over_fp32']:.3f}, fp16/fp32 "
+        f"{headline['fp16_step_time_over_fp32']:.3f}")
+    return [{"part": "precision", "seconds": times}], headline
+
+
+# ------------------------------------------------------------------------------------------- 5. accuracy
+
+
+def accuracy_rows(epochs: int, log: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    config = REPO / "examples" / "fashion_mnist" / "distributed.yaml"
+    rows, accuracy = [], {}
+    with tempfile.TemporaryDirectory(prefix="dtrain-model-scale-") as tmp:
+        for precision in ("fp32", "bf16", "fp16"):
+            log(f"accuracy: Fashion-MNIST {epochs} epochs, 2 workers, {precision} ...")
+            started = time.perf_counter()
+            summary = dtrain_run(config, Path(tmp) / precision, [f"searcher.max_length={{epochs: {epochs}}}",
+                                                                 f"optimizations.precision={precision}"], Path(tmp))
+            accuracy[precision] = float(summary["validation"]["accuracy"])
+            rows.append({"part": "accuracy", "precision": precision, "accuracy": accuracy[precision],
+                         "seconds": time.perf_counter() - started})
+            log(f"  {precision}: accuracy {accuracy[precision]:.4f}")
+    headline = {f"accuracy_{p}": a for p, a in accuracy.items()}
+    headline["bf16_accuracy_gap_points"] = 100 * (accuracy["fp32"] - accuracy["bf16"])
+    headline["fp16_accuracy_gap_points"] = 100 * (accuracy["fp32"] - accuracy["fp16"])
+    return rows, headline
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, no accuracy runs")
+    parser.add_argument("--rounds", type=int, help="pipeline and precision rounds (default 3, quick 2)")
+    parser.add_argument("--cap-budget-gb", type=float, default=0.7,
+                        help="memory over start-up each capped worker may use (default 0.7: DDP needs ~0.85 GB "
+                             "of model state, FSDP2 on 2 ranks ~0.43)")
+    parser.add_argument("--epochs", type=int, default=3, help="accuracy runs' length (default 3)")
+    parser.add_argument("--skip", action="append", default=[], choices=["memory", "cap", "pipeline", "precision",
+                                                                         "accuracy"], help="leave a part out")
+    args = parser.parse_args()
+    rounds = args.rounds or (2 if args.quick else 3)
+    log = lambda text: print(f"model_scale: {text}", flush=True)  # noqa: E731
+    rows: list[dict[str, Any]] = []
+    headline: dict[str, Any] = {}
+    if "memory" not in args.skip:
+        memory = memory_rows([2, 4], log)
+        rows += memory
+        by = {(r["layout"], r["ranks"]): r["model_state_bytes_max_rank"] for r in memory}
+        headline["fsdp_memory_fraction_4"] = by[("fsdp", 4)] / by[("ddp", 4)]
+        headline["zero1_memory_fraction_4"] = by[("zero1", 4)] / by[("ddp", 4)]
+        headline["fsdp_memory_fraction_2"] = by[("fsdp", 2)] / by[("ddp", 2)]
+        headline["plan_memory_error_max"] = max(r["plan_error"] for r in memory)
+    if "cap" not in args.skip:
+        cap = cap_rows(args.cap_budget_gb, log)
+        rows += cap
+        headline["memory_cap_ddp_trained"] = cap[0]["trained"]
+        headline["memory_cap_fsdp_trained"] = cap[1]["trained"]
+    if "pipeline" not in args.skip:
+        piped, pipe_headline = pipeline_rows([2, 4, 8], rounds, log)
+        rows += piped
+        headline.update(pipe_headline)
+    if "precision" not in args.skip:
+        prec, prec_headline = precision_rows(rounds * 2, log)
+        rows += prec
+        headline.update(prec_headline)
+    if "accuracy" not in args.skip and not args.quick:
+        acc, acc_headline = accuracy_rows(args.epochs, log)
+        rows += acc
+        headline.update(acc_headline)
+    markdown = _markdown(headline, rows, args)
+    path = write_results("model_scale", headline, rows, markdown, machine_info(),
+                         extra={"settings": {"quick": args.quick, "rounds": rounds, "width": WIDTH, "blocks": BLOCKS,
+                                             "cap_budget_gb": args.cap_budget_gb}})
+    print(markdown)
+    print(f"model_scale: wrote {path}")
+
+
+def _markdown(headline: dict[str, Any], rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = ["# model_scale", "", "Headline:", ""]
+    lines += [f"- `{k}`: {v:.4g}" if isinstance(v, float) else f"- `{k}`: {v}" for k, v in headline.items()
+              if not k.endswith("_per_round")]
+    memory = [r for r in rows if r["part"] == "memory"]
+    if memory:
+        lines += ["", "Model-state bytes per rank (largest rank) against `dtrain plan`:", "",
+                  markdown_table(["layout", "ranks", "measured GB", "plan GB", "plan error", "peak RSS GB (max)"],
+                                 [[r["layout"], r["ranks"], f"{r['model_state_bytes_max_rank'] / GB:.3f}",
+                                   f"{r['plan_bytes'] / GB:.3f}", f"{r['plan_error']:.1%}",
+                                   f"{max(r['peak_rss_bytes_per_rank']) / GB:.2f}"] for r in memory])]
+    pipe = [r for r in rows if r["part"] == "pipeline"]
+    if pipe:
+        lines += ["", "Pipeline efficiency (p = 2, GPipe; ideal = whole model in one process / p):", "",
+                  markdown_table(["m", "measured", "formula m/(m+p-1)", "error"],
+                                 [[r["microbatches"], f"{r['efficiency']:.3f}", f"{r['formula']:.3f}",
+                                   f"{r['error']:.3f}"] for r in pipe])]
+    lines += ["", f"Settings: quick={args.quick}; the machine's 2 cores were shared with other work (see the load "
+              "averages in the JSON)."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
