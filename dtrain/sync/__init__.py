@@ -20,6 +20,7 @@ from dtrain.sync.base import (
     SyncStrategy,
     TrainBatch,
     WireMetering,
+    WritesShardedCheckpoint,
 )
 from dtrain.sync.fsdp import FsdpStrategy, build_fsdp
 from dtrain.sync.hierarchical import HierarchicalStrategy, build_hierarchical
@@ -54,5 +55,5 @@ def build_strategy(config: ExperimentConfig, topology: Topology) -> SyncStrategy
 __all__ = ["REGISTRY", "AllReduceStrategy", "AsynchronousPacing", "BucketObserving", "ComputePhases",
            "Consolidating", "FsdpStrategy", "HierarchicalStrategy", "LocalSGDStrategy", "OptimizerWrapping",
            "OwnsCheckpointState", "ParameterServerStrategy", "PipelineStrategy", "ReportingMetrics",
-           "RunsForwardBackward", "StrategyBuilder", "SyncStrategy", "TrainBatch", "WireMetering", "Zero1Strategy",
-           "build_strategy"]
+           "RunsForwardBackward", "StrategyBuilder", "SyncStrategy", "TrainBatch", "WireMetering",
+           "WritesShardedCheckpoint", "Zero1Strategy", "build_strategy"]

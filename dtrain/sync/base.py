@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -171,4 +172,19 @@ class OwnsCheckpointState(Protocol):
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Load a checkpoint's optimizer state (after the optimizer is built and wrapped)."""
+        ...
+
+
+@runtime_checkable
+class WritesShardedCheckpoint(Protocol):
+    """Model and optimizer state that each rank writes as its own shard (torch.distributed.checkpoint), so that
+    no rank ever holds the whole of it. The checkpoint's `model.pt` then holds no weights (`dtrain export` makes
+    a plain one); without this extension rank 0 writes the state OwnsCheckpointState (or the default) returns."""
+
+    def save_sharded(self, directory: Path, optimizer: torch.optim.Optimizer) -> None:
+        """Write this rank's shards of the model and optimizer state under `directory` (every rank together)."""
+        ...
+
+    def load_sharded(self, directory: Path, optimizer: torch.optim.Optimizer) -> None:
+        """Load this rank's shards back from `directory` (every rank together; after wrapping and building)."""
         ...

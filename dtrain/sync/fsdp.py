@@ -11,9 +11,10 @@ Whole-tensor optimizers: parameters are DTensors, and LARS's and LAMB's `torch.l
 sharded DTensor is a sum of the shards' partial norms all-reduced by DTensor: the trust ratio is the whole
 tensor's, on every rank alike (checked by the LARS case of the equivalence test).
 
-Validation, the replica check and checkpoints use a plain copy of the model (`unwrap_model`), filled by
-gathering the full parameters when it is stale: every rank holds the whole model only then. Checkpoints hold
-the full model state (`model.pt`, loadable by a plain model) and the full optimizer state gathered on rank 0.
+Validation and the replica check use a plain copy of the model (`unwrap_model`), filled by gathering the full
+parameters when it is stale: every rank holds the whole model only then. Checkpoints are written by every rank,
+its own shards of the parameters and optimizer state, through torch.distributed.checkpoint (WritesShardedCheckpoint):
+no rank gathers the model for them. `dtrain export` turns such a checkpoint into a plain `model.pt`.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -149,6 +152,21 @@ class FsdpStrategy:
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         set_optimizer_state_dict(self._root(), optimizer, state, options=FULL)
+
+    def save_sharded(self, directory: Path, optimizer: torch.optim.Optimizer) -> None:
+        """Each rank writes its DTensor shards of the parameters and of the optimizer state (DCP)."""
+        root = self._root()
+        dcp.save({"model": get_model_state_dict(root), "optim": get_optimizer_state_dict(root, optimizer)},
+                 checkpoint_id=str(directory))
+
+    def load_sharded(self, directory: Path, optimizer: torch.optim.Optimizer) -> None:
+        """Each rank reads its own shards back (DCP re-shards when the number of ranks changed)."""
+        root = self._root()
+        model_state, optimizer_state = get_model_state_dict(root), get_optimizer_state_dict(root, optimizer)
+        dcp.load({"model": model_state, "optim": optimizer_state}, checkpoint_id=str(directory))  # in place
+        set_model_state_dict(root, model_state)
+        set_optimizer_state_dict(root, optimizer, optimizer_state)
+        self._plain_stale = True
 
     # ------------------------------------------------------------------------------------- internals
 

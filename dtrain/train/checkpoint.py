@@ -4,6 +4,9 @@ Layout of `checkpoints/step-<N>/`:
 - `model.pt`  the model's plain state_dict (`torch.load(path, weights_only=True)` works on it);
 - `state.pt`  optimizer, LR scheduler, strategy and trainer state, and every rank's RNG states;
 - `meta.json` step, sizes and SHA-256 of the two files (written last, so its presence marks completion).
+A sharded run (FSDP) writes its model and optimizer state with torch.distributed.checkpoint, every rank its own
+shards, under `checkpoints/sharded/step-<N>/` before rank 0 writes `step-<N>/` (whose `state.pt` then names that
+directory under `sharded` and whose `model.pt` holds no weights: `dtrain export` makes a plain one).
 `checkpoints/latest` holds the name of the newest complete checkpoint. A write goes to a hidden
 `.partial-*` directory that is renamed into place, so a kill in the middle never leaves a half
 checkpoint under a real name.
@@ -32,6 +35,7 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MODEL_FILE, STATE_FILE, META_FILE, LATEST_FILE = "model.pt", "state.pt", "meta.json", "latest"
+SHARDED_DIR = "sharded"  # checkpoints/sharded/step-<N>/: the shards every rank wrote (DCP)
 
 
 @dataclass(frozen=True)
@@ -205,3 +209,9 @@ def prune_checkpoints(root: Path, keep_latest: int, keep_steps: set[int]) -> Non
         if path.name in newest or path.name == latest or int(path.name[5:]) in keep_steps:
             continue
         shutil.rmtree(path, ignore_errors=True)
+    kept = {path.name for path in list_checkpoints(root)}
+    sharded = root / SHARDED_DIR
+    if sharded.is_dir():  # shards whose checkpoint is gone (pruned, or never completed)
+        for path in sharded.iterdir():
+            if path.name not in kept:
+                shutil.rmtree(path, ignore_errors=True)

@@ -8,6 +8,7 @@ the OwnsCheckpointState extension (sharded parameters); `PlainCheckpointState` i
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -16,10 +17,10 @@ from typing import Any
 
 import torch
 
-from dtrain.comm import Topology, all_gather_object, broadcast_object
+from dtrain.comm import Topology, all_gather_object, barrier, broadcast_object
 from dtrain.config import ExperimentConfig
 from dtrain.errors import CheckpointError
-from dtrain.sync import OwnsCheckpointState, SyncStrategy
+from dtrain.sync import OwnsCheckpointState, SyncStrategy, WritesShardedCheckpoint
 from dtrain.train import checkpoint as ckpt
 from dtrain.train.callbacks import StepCallbacks
 from dtrain.train.evaluation import SearcherMetric
@@ -92,13 +93,22 @@ def resume(checkpoint: Checkpoint, root: Path, owner: OwnsCheckpointState, optim
            rank: int) -> TrainerState:
     """Load a checkpoint's model, optimizer, schedules and this rank's RNG state (the strategy's own state was
     loaded before it wrapped the model); return the trainer state it carries, counting this resume."""
+    sharded = checkpoint.state.get("sharded")
     try:
-        owner.load_model_state_dict(checkpoint.model_state)
+        if sharded is not None:  # every rank reads its own shards
+            if not isinstance(owner, WritesShardedCheckpoint):
+                raise CheckpointError(f"checkpoint step-{checkpoint.step} in {root} holds sharded state (written by "
+                                      "strategy fsdp); resume it with distributed.strategy fsdp, or make a plain "
+                                      "model.pt with `dtrain export` and start a new run from it")
+            owner.load_sharded(root / sharded, optimization.optimizer)
+        else:
+            owner.load_model_state_dict(checkpoint.model_state)
     except RuntimeError as exc:
         raise CheckpointError(f"checkpoint step-{checkpoint.step} in {root} does not fit this Trial's model ("
                               f"{' '.join(str(exc).split())[:300]}); resume with the model it was written "
                               "for, or give a new --run-dir") from None
-    owner.load_optimizer_state_dict(optimization.optimizer, checkpoint.state["optimizer"])
+    if sharded is None:
+        owner.load_optimizer_state_dict(optimization.optimizer, checkpoint.state["optimizer"])
     optimization.load_schedule_state(checkpoint.state)
     state = TrainerState.from_dict(checkpoint.state["trainer"])
     state.resumes += 1
@@ -160,13 +170,24 @@ class Checkpointer:
         rng_states = all_gather_object(capture_rng_state())
         if metric is not None:
             state.checkpoint_metrics[step] = metric
-        model_state = self.owner.model_state_dict()
-        optimizer_state = self.owner.optimizer_state_dict(optimization.optimizer)
+        sharded: dict[str, str] = {}
+        if isinstance(strategy, WritesShardedCheckpoint):  # every rank its shards; the files below hold no weights
+            name = f"{ckpt.SHARDED_DIR}/{ckpt.checkpoint_name(step)}"
+            if self.topology.is_chief and (self.root / name).exists():
+                shutil.rmtree(self.root / name)  # the same step written again after a restart
+            barrier()
+            strategy.save_sharded(self.root / name, optimization.optimizer)
+            model_state: dict[str, Any] = {}
+            optimizer_state: dict[str, Any] = {}
+            sharded = {"sharded": name}
+        else:
+            model_state = self.owner.model_state_dict()
+            optimizer_state = self.owner.optimizer_state_dict(optimization.optimizer)
         if not self.topology.is_chief:
             return
         started = time.perf_counter()
         contents = {"optimizer": optimizer_state, **optimization.schedule_state(), "strategy": strategy.state_dict(),
-                    "trainer": state.to_dict(), "rng": rng_states}
+                    "trainer": state.to_dict(), "rng": rng_states, **sharded}
         ref = ckpt.write_checkpoint(self.root, step, model_state, contents,
                                     extra_meta={"world_size": self.topology.world_size, "epoch": epoch},
                                     after_model_file=lambda: self.callbacks.during_checkpoint(step))

@@ -148,7 +148,17 @@ def _interrupted_and_resumed(topology: Topology, run_dir: Path, raw: dict[str, A
     trainer = Trainer(config=second, trial_class=DigitsTrial, topology=topology, run_info=load_run_info(run_dir))
     assert trainer.resumed and trainer.state.steps_completed == 2
     assert trainer.fit()["status"] == "completed"
-    return {k: v.detach().clone() for k, v in trainer.strategy.unwrap_model().state_dict().items()}
+    result: dict[str, Any] = {"state": {k: v.detach().clone()
+                                        for k, v in trainer.strategy.unwrap_model().state_dict().items()}}
+    if topology.rank == 0:  # the checkpoint's model.pt holds no weights: they are the ranks' shards
+        from dtrain.commands.export import export_model
+
+        final = run_dir / "checkpoints" / "step-5"
+        result["model_pt"] = torch.load(final / "model.pt", weights_only=True)
+        result["shard_files"] = sorted(p.name for p in (run_dir / "checkpoints" / "sharded" / "step-5").iterdir())
+        export_model(run_dir, run_dir / "exported.pt")
+        result["exported"] = torch.load(run_dir / "exported.pt", weights_only=True)
+    return result
 
 
 def _reference(raw: dict[str, Any], make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]
@@ -228,6 +238,14 @@ def test_an_overflow_on_one_rank_skips_the_update_on_every_rank(trained: list[di
 
 
 def test_an_interrupted_fsdp_run_resumes_bitwise_identical(trained: list[dict[str, Any]]) -> None:
+    """Checkpoints of the FSDP run are each rank's shards (DCP): resuming from them ends bitwise where the
+    uninterrupted run ends, and `dtrain export` joins them into a plain state_dict with the same weights."""
     for rank in trained:
         uninterrupted = rank["fsdp"]["state"]
-        assert all(torch.equal(rank["fsdp_resumed"][k], uninterrupted[k]) for k in uninterrupted)
+        assert all(torch.equal(rank["fsdp_resumed"]["state"][k], uninterrupted[k]) for k in uninterrupted)
+    chief = trained[0]["fsdp_resumed"]
+    assert chief["model_pt"] == {}
+    assert ".metadata" in chief["shard_files"] and len([f for f in chief["shard_files"] if f.endswith(".distcp")]) == 2
+    exported = chief["exported"]
+    assert set(exported) == set(trained[0]["fsdp"]["state"])
+    assert all(torch.equal(exported[k], trained[0]["fsdp"]["state"][k]) for k in exported)
