@@ -363,31 +363,56 @@ def main() -> None:
     log = lambda text: print(f"model_scale: {text}", flush=True)  # noqa: E731
     rows: list[dict[str, Any]] = []
     headline: dict[str, Any] = {}
-    if "memory" not in args.skip:
-        memory = memory_rows([2, 4], log)
-        rows += memory
-        by = {(r["layout"], r["ranks"]): r["model_state_bytes_max_rank"] for r in memory}
+    failures: dict[str, str] = {}
+
+    def part(name: str, run: Any) -> None:
+        """Run one part; a failure is recorded in the results (and the next part still runs)."""
+        if name in args.skip:
+            return
+        try:
+            run()
+        except Exception as exc:  # noqa: BLE001 - reported in the results, not hidden
+            failures[name] = f"{type(exc).__name__}: {str(exc)[:400]}"
+            log(f"{name} FAILED: {failures[name]}")
+
+    def memory() -> None:
+        found = memory_rows([2, 4], log)
+        rows.extend(found)
+        by = {(r["layout"], r["ranks"]): r["model_state_bytes_max_rank"] for r in found}
         headline["fsdp_memory_fraction_4"] = by[("fsdp", 4)] / by[("ddp", 4)]
         headline["zero1_memory_fraction_4"] = by[("zero1", 4)] / by[("ddp", 4)]
         headline["fsdp_memory_fraction_2"] = by[("fsdp", 2)] / by[("ddp", 2)]
-        headline["plan_memory_error_max"] = max(r["plan_error"] for r in memory)
-    if "cap" not in args.skip:
-        cap = cap_rows(args.cap_budget_gb, log)
-        rows += cap
-        headline["memory_cap_ddp_trained"] = cap[0]["trained"]
-        headline["memory_cap_fsdp_trained"] = cap[1]["trained"]
-    if "pipeline" not in args.skip:
-        piped, pipe_headline = pipeline_rows([2, 4, 8], rounds, log)
-        rows += piped
-        headline.update(pipe_headline)
-    if "precision" not in args.skip:
-        prec, prec_headline = precision_rows(rounds * 2, log)
-        rows += prec
-        headline.update(prec_headline)
-    if "accuracy" not in args.skip and not args.quick:
-        acc, acc_headline = accuracy_rows(args.epochs, log)
-        rows += acc
-        headline.update(acc_headline)
+        headline["plan_memory_error_max"] = max(r["plan_error"] for r in found)
+
+    def cap() -> None:
+        found = cap_rows(args.cap_budget_gb, log)
+        rows.extend(found)
+        headline["memory_cap_ddp_trained"] = found[0]["trained"]
+        headline["memory_cap_fsdp_trained"] = found[1]["trained"]
+
+    def pipeline() -> None:
+        found, found_headline = pipeline_rows([2, 4, 8], rounds, log)
+        rows.extend(found)
+        headline.update(found_headline)
+
+    def precision() -> None:
+        found, found_headline = precision_rows(rounds * 2, log)
+        rows.extend(found)
+        headline.update(found_headline)
+
+    def accuracy() -> None:
+        found, found_headline = accuracy_rows(args.epochs, log)
+        rows.extend(found)
+        headline.update(found_headline)
+
+    part("memory", memory)
+    part("cap", cap)
+    part("pipeline", pipeline)
+    part("precision", precision)
+    if not args.quick:
+        part("accuracy", accuracy)
+    if failures:
+        headline["failed_parts"] = failures
     markdown = _markdown(headline, rows, args)
     path = write_results("model_scale", headline, rows, markdown, machine_info(),
                          extra={"settings": {"quick": args.quick, "rounds": rounds, "width": WIDTH, "blocks": BLOCKS,
