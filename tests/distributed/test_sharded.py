@@ -100,7 +100,8 @@ def _agreement(topology: Topology) -> dict[str, Any]:
             "params": [p.detach().clone() for p in model.parameters()]}
 
 
-def _train_all(topology: Topology, root: str, cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _train_all(topology: Topology, root: str, cases: dict[str, dict[str, Any]], extras: bool = True
+               ) -> dict[str, Any]:
     sys.path.insert(0, str(FIXTURES))
     from digits_trial import DigitsTrial
 
@@ -120,6 +121,8 @@ def _train_all(topology: Topology, root: str, cases: dict[str, dict[str, Any]]) 
         history = getattr(trainer.forward_backward, "history", None)
         if history is not None:
             results[name]["history"] = history
+    if not extras:
+        return results
     results["agreement"] = _agreement(topology)
     results["fsdp_resumed"] = _interrupted_and_resumed(topology, Path(root) / "fsdp_resumed", CASES["fsdp"])
     return results
@@ -249,3 +252,18 @@ def test_an_interrupted_fsdp_run_resumes_bitwise_identical(trained: list[dict[st
     exported = chief["exported"]
     assert set(exported) == set(trained[0]["fsdp"]["state"])
     assert all(torch.equal(exported[k], trained[0]["fsdp"]["state"][k]) for k in exported)
+
+
+PIPELINE_X_DATA = {**case("pipeline", pipeline={"stages": 2, "microbatches": 4, "schedule": "1f1b"}),
+                   "resources": {"slots_per_trial": 4}}
+
+
+def test_pipeline_x_data_on_a_2x2_mesh_equals_single_process(spawn: Callable[..., list[Any]],
+                                                             tmp_path: Path) -> None:
+    """4 ranks: 2 pipeline replicas (data) x 2 stages; each replica trains on half the global batch in 4
+    microbatches and the stages' gradients are averaged over the replicas."""
+    ranks = spawn(_train_all, 4, str(tmp_path), {"pipe_x_data": PIPELINE_X_DATA}, False, timeout=240)
+    reference = _reference(PIPELINE_X_DATA, _sgd)
+    for rank in ranks:
+        assert _relative(rank["pipe_x_data"]["state"], reference) < 1e-9
+        assert rank["pipe_x_data"]["identical"]
