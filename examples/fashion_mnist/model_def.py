@@ -1,7 +1,8 @@
 """A small CNN on Fashion-MNIST: two 3x3 conv layers and two dense layers, SGD with a one-cycle schedule.
 
 No dropout and, by default, no batch norm, so that a distributed run can be compared exactly with a single process
-(the large-batch benchmark turns batch norm on with `hyperparameters.batch_norm: true`).
+(the large-batch benchmark turns batch norm on with `hyperparameters.batch_norm: true`, and validates on records held
+out of the training set with `hyperparameters.validation_holdout: N`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from torch import nn
 
 import dtrain
 from dtrain.data import load_fashion_mnist
+from dtrain.data.arrays import ArrayDataset
 
 
 def build_cnn(conv1: int = 32, conv2: int = 64, hidden: int = 128, num_classes: int = 10,
@@ -49,11 +51,23 @@ class FashionMNISTTrial(dtrain.Trial):
         directory = self.context.data_config.get("directory")
         return str(self.context.resolve_path(directory)) if directory else None
 
+    def _load(self, split: str) -> ArrayDataset:
+        return load_fashion_mnist(split, self._data_dir(), self.context.data_config.get("download", False))
+
+    def _holdout(self) -> tuple[ArrayDataset, ArrayDataset]:
+        """`hyperparameters.validation_holdout: N` keeps N training records (a fixed seeded draw) apart as the
+        validation data, so that recipes can be chosen without looking at the test set."""
+        images, labels = self._load("train").tensors
+        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1234))
+        held_out = int(self.context.hparams["validation_holdout"])
+        keep, held = order[:-held_out], order[-held_out:]
+        return ArrayDataset(images[keep], labels[keep]), ArrayDataset(images[held], labels[held])
+
     def build_training_data(self) -> torch.utils.data.Dataset:
-        return load_fashion_mnist("train", self._data_dir(), self.context.data_config.get("download", False))
+        return self._holdout()[0] if self.context.hparams.get("validation_holdout") else self._load("train")
 
     def build_validation_data(self) -> torch.utils.data.Dataset:
-        return load_fashion_mnist("test", self._data_dir(), self.context.data_config.get("download", False))
+        return self._holdout()[1] if self.context.hparams.get("validation_holdout") else self._load("test")
 
     def train_batch(self, batch: tuple[torch.Tensor, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
         images, labels = batch
