@@ -170,6 +170,8 @@ def check_interface(name: str, master_addr: str | None, master_port: int | None,
                           "or leave it out to pick it from the route")
     if master_addr is None or master_port is None or master_addr in LOOPBACK_HOSTS:
         return
+    if master_addr in addresses.values():  # this machine is the master: its store may not listen yet
+        return
     source, deadline = addresses[name], time.monotonic() + timeout_seconds
     while True:
         try:
