@@ -119,6 +119,8 @@ def run_experiment(args: argparse.Namespace) -> int:
         return result.exit_code if result.exit_code in passed_on else ExitCode.FAILED
     if node.node_rank != 0:
         return ExitCode.OK
+    if config.is_command:
+        summary = _command_summary(info, summary, started, config.resources.world_size)
     _print_summary(info.run_dir, info.experiment_id, summary, time.time() - started)
     return ExitCode.OK if summary.get("status") == "completed" else ExitCode.STOPPED
 
@@ -146,6 +148,25 @@ def _node_options_from_environment(args: argparse.Namespace, environ: Mapping[st
         except ValueError:
             raise ConfigError(f"environment variable {variable}={raw!r} (set by the PyTorchJob) must be "
                               f"{'an integer' if kind is int else 'text'}") from None
+
+
+def _command_summary(info: Any, summary: dict[str, Any], started: float, world_size: int) -> dict[str, Any]:
+    """The summary of a command that ended with exit code 0: the one `det.core` wrote during this launch, or (a
+    script that does not use Determined's APIs) a `completed` one written here, in the run dir and the store."""
+    from dtrain.runs.rundir import SUMMARY_FILE, write_json_atomic
+    from dtrain.runs.store import RunStore
+
+    path = info.run_dir / SUMMARY_FILE
+    if summary and path.is_file() and path.stat().st_mtime >= started:
+        return summary
+    summary = {"status": "completed", "entrypoint": "command", "world_size": world_size,
+               "steps_completed": 0, "wall_seconds": time.time() - started, "validation": {}}
+    write_json_atomic(path, summary)
+    if info.store is not None and info.trial_id is not None:
+        store = RunStore(info.store)
+        store.set_status(info.trial_id, "completed", summary)
+        store.close()
+    return summary
 
 
 def _run_search(args: argparse.Namespace) -> int:
@@ -178,11 +199,17 @@ def _print_summary(run_dir: Path, experiment_id: int | None, summary: dict[str, 
     status = summary.get("status", "unknown")
     validation = summary.get("validation") or {}
     metrics = ", ".join(f"{name} {value:.4f}" for name, value in sorted(validation.items()))
+    if str(summary.get("entrypoint", "")).startswith("command"):  # a Core API script counts its own steps
+        first = (f"dtrain: training {status}: the script reported {summary.get('steps_completed', 0)} steps on "
+                 f"{summary.get('world_size', '?')} worker(s), {summary.get('wall_seconds', 0):.0f} s "
+                 f"({launch_seconds:.0f} s in all)")
+    else:
+        first = (f"dtrain: training {status}: {summary.get('steps_completed', 0)} batches "
+                 f"({summary.get('epochs_completed', 0):.2f} epochs) on {summary.get('world_size', '?')} worker(s), "
+                 f"{summary.get('wall_seconds', 0):.0f} s of training ({launch_seconds:.0f} s in all), "
+                 f"{summary.get('samples_per_second', 0):,.0f} samples/s")
     lines = [
-        f"dtrain: training {status}: {summary.get('steps_completed', 0)} batches "
-        f"({summary.get('epochs_completed', 0):.2f} epochs) on {summary.get('world_size', '?')} worker(s), "
-        f"{summary.get('wall_seconds', 0):.0f} s of training ({launch_seconds:.0f} s in all), "
-        f"{summary.get('samples_per_second', 0):,.0f} samples/s",
+        first,
         f"  validation   {metrics or 'none'}",
         f"  run dir      {run_dir}",
         f"  checkpoint   {summary.get('checkpoint')}",

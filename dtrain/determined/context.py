@@ -185,6 +185,8 @@ class PyTorchTrialContext:
                              f"from optimizations.average_aggregated_gradients ({average}); set the config key "
                              "instead")
         optimizer.register_step_pre_hook(self._before_optimizer_step)
+        if self._scaler is not None:
+            optimizer.register_step_post_hook(self._after_optimizer_step)
         self.optimizers.append(optimizer)
         return optimizer
 
@@ -201,9 +203,17 @@ class PyTorchTrialContext:
         return wrapped
 
     def wrap_scaler(self, scaler: Any) -> Any:
-        """Accepted and returned: dtrain's loop does not scale losses (it runs on CPU or in bf16 autocast, where
-        no loss scaling is needed); `backward` and `step_optimizer` ignore it."""
+        """Register a `torch.amp.GradScaler`. A trial passes `scaler.scale(loss)` to `backward` as in Determined;
+        dtrain unscales the synchronized gradients before the step (`scaler.unscale_`) and updates the scale after
+        it. An overflow is a non-finite gradient to dtrain's guard: use `nan_policy: skip` so that such an update
+        is skipped (as `scaler.step` would) instead of stopping the run."""
+        if not (hasattr(scaler, "unscale_") and hasattr(scaler, "update")):
+            raise TrialError(f"wrap_scaler() got {type(scaler).__name__}; give it a torch.amp.GradScaler")
+        if self._scaler is not None:
+            raise TrialError("wrap_scaler() was called twice: dtrain keeps one GradScaler per PyTorchTrial")
         self._scaler = scaler
+        for optimizer in self.optimizers:
+            optimizer.register_step_post_hook(self._after_optimizer_step)
         return scaler
 
     def wrap_reducer(self, reducer: Any, name: str | None = None, for_training: bool = False,
@@ -244,10 +254,19 @@ class PyTorchTrialContext:
         self._clip = clip_grads
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """The optimizer's step pre-hook: the trial's clip_grads on the synchronized gradients."""
+        """The optimizer's step pre-hook: unscale (a GradScaler's), then the trial's clip_grads, on the
+        synchronized gradients."""
         del args, kwargs
+        if self._scaler is not None and self._scaler.is_enabled():
+            self._scaler.unscale_(optimizer)
         if self._clip is not None:
             self._clip(iter(p for group in optimizer.param_groups for p in group["params"]))
+
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """The optimizer's step post-hook: the GradScaler's scale update."""
+        del optimizer, args, kwargs
+        if self._scaler is not None and self._scaler.is_enabled():
+            self._scaler.update()
 
     def _start_batch(self, target: nn.Module, batch_idx: int) -> None:
         self._forward_target, self._batch_idx = target, batch_idx

@@ -136,7 +136,8 @@ class TrainContext:
 
     def report_validation_metrics(self, steps_completed: int, metrics: Mapping[str, Any]) -> None:
         """Record the metrics; in a search, the searcher metric goes to the searcher, which may stop the trial
-        (then `preempt.should_preempt()` turns True)."""
+        (then `preempt.should_preempt()` turns True). The training done is the searcher's `time_metric` when the
+        metrics hold it (`{"batches": 400, ...}`, as Determined 0.38 asks), else `steps_completed`."""
         values = _floats(metrics)
         run = self._run
         run.steps_completed = max(run.steps_completed, int(steps_completed))
@@ -147,8 +148,8 @@ class TrainContext:
         if run.link is not None and not run.searcher_stopped:
             metric = _searcher_metric(values, str(run.searcher.get("metric", "validation_loss")))
             if metric is not None:
-                unit = run.link.max_length[1]
-                done = run.progress if run.progress is not None else float(steps_completed)
+                unit = run.link.max_length[1]  # the searcher's time_metric: reported with the metrics (Determined
+                done = values.get(unit, float(steps_completed))  # 0.38's way), else the steps completed
                 reason = run.link.report({unit: done}, metric)
                 if reason is not None:
                     run.searcher_stopped = True

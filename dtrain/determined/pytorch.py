@@ -103,8 +103,9 @@ class Epoch(TrainUnit):
 
 
 class PyTorchCallback:
-    """Determined's callback hooks. dtrain calls `on_training_start`, `on_training_epoch_start/end`,
-    `on_validation_end(metrics)` and `on_trial_shutdown`; `state_dict`/`load_state_dict` are not checkpointed."""
+    """Determined's callback hooks. dtrain calls `on_training_start`, `on_training_epoch_start/end` and
+    `on_validation_start`; the others are not called and `state_dict`/`load_state_dict` are not checkpointed
+    (docs/determined.md lists this as half done)."""
 
     def on_trial_startup(self, first_batch_idx: int, checkpoint_uuid: str | None) -> None: ...
     def on_training_start(self) -> None: ...

@@ -27,6 +27,7 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "core-2": ("core.yaml", []),
     "core-1-killed": ("core.yaml", ["--set", "resources.slots_per_trial=1", "--set", "max_restarts=1",
                                     "--set", "entrypoint=python3 core_train.py --kill-at 6"]),
+    "plain-2": ("core.yaml", ["--set", "entrypoint=python3 -c \"import os; print('plain rank', os.environ['RANK'])\""]),
 }
 
 
@@ -104,6 +105,14 @@ def test_core_api_script_resumes_from_latest_checkpoint_after_a_kill(
     assert _max_difference(_core_weights(runs, "core-1-killed"), _core_weights(runs, "core-2")) <= TOLERANCE
     stored = sorted(p.name for p in (run_dir / "checkpoints" / "determined").iterdir())
     assert len(stored) == 4 and "latest" in stored  # batch 4 (before the kill), 8 and 12 (after it), and latest
+
+
+def test_a_script_without_determined_s_apis_runs_on_every_slot_and_completes(
+        runs: dict[str, tuple[Path, subprocess.CompletedProcess[str]]]) -> None:
+    run_dir, result = runs["plain-2"]
+    summary = _completed(runs, "plain-2")
+    assert summary["entrypoint"] == "command" and "plain rank 0" in result.stdout
+    assert "plain rank 1" in (run_dir / "logs" / "rank-1.log").read_text()  # ranks > 0 write to their log
 
 
 def test_core_api_metrics_reach_the_store(runs: dict[str, tuple[Path, subprocess.CompletedProcess[str]]]) -> None:

@@ -269,3 +269,72 @@ def test_core_api_outside_dtrain_checkpoints_and_gives_the_configured_length(tmp
         with pytest.raises(TrialError, match="does not exist"):
             with context.checkpoint.restore_path("nope"):
                 pass
+
+
+class _FakeLink:
+    """A search link whose searcher stops the trial at its second report (as ASHA at a rung)."""
+
+    def __init__(self) -> None:
+        self.reports: list[tuple[dict[str, float], float]] = []
+
+    @property
+    def max_length(self) -> tuple[int, str]:
+        return 6, "batches"
+
+    def report(self, units: dict[str, float], metric: float) -> str | None:
+        self.reports.append((dict(units), metric))
+        return "not in the top 1 of 2 at rung 1" if len(self.reports) == 2 else None
+
+
+def test_a_core_api_loop_stops_where_the_searcher_stops_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Core API loop in Determined's style: train to op.length, report validation every 2 batches, leave when
+    preempt.should_preempt() says so; the searcher (the search link) stops it at its second report."""
+    from determined import core
+
+    import dtrain.determined.core as det_core
+
+    link = _FakeLink()
+    monkeypatch.delenv("DTRAIN_RUN_DIR", raising=False)
+    with core.init(checkpoint_storage=str(tmp_path)) as context:
+        context._run.link = link  # what a trial of a search gets from search-trial.json
+        context._run.config = {"searcher": {"metric": "validation_loss"}}
+        trained = 0
+        for op in context.searcher.operations():
+            assert op.length == 6
+            for batch in range(op.length):
+                trained = batch + 1
+                if trained % 2 == 0:
+                    context.train.report_validation_metrics(trained, {"validation_loss": 1.0 / trained})
+                    op.report_progress(trained)
+                    if context.preempt.should_preempt():
+                        break
+        assert trained == 4 and [units["batches"] for units, _ in link.reports] == [2.0, 4.0]
+        assert list(context.searcher.operations()) == []  # no more work once the searcher stopped the trial
+    assert det_core.PreemptMode.WorkersAskChief.value == "WORKERS_ASK_CHIEF"
+
+
+def test_a_grad_scaler_is_unscaled_before_the_step(tmp_path: Path) -> None:
+    """Determined's AMP pattern without apex: backward(scaler.scale(loss)), step_optimizer(opt, scaler=scaler).
+    Scaling by a power of two and unscaling before the step is exact: the weights equal the unscaled trial's."""
+    from model_def import RegressionTrial
+
+    class Scaled(RegressionTrial):
+        def __init__(self, context: PyTorchTrialContext) -> None:
+            super().__init__(context)
+            self.scaler = context.wrap_scaler(torch.amp.GradScaler("cpu", init_scale=2.0 ** 10))
+
+        def train_batch(self, batch: Any, epoch_idx: int, batch_idx: int) -> Any:
+            inputs, targets = batch
+            loss = torch.nn.functional.mse_loss(self.model(inputs), targets)
+            self.context.backward(self.scaler.scale(loss))
+            self.context.step_optimizer(self.optimizer, scaler=self.scaler)
+            return {"loss": loss}
+
+    plain, _ = _train(tmp_path / "plain", RegressionTrial.__dtrain_trial__())
+    scaled, summary = _train(tmp_path / "scaled", Scaled.__dtrain_trial__())
+    assert summary["status"] == "completed"
+    expected = _weights(plain)
+    for name, value in _weights(scaled).items():
+        assert torch.equal(value, expected[name]), name
+    scaler = scaled.trial.det_trial.scaler  # type: ignore[attr-defined]
+    assert scaler._get_growth_tracker() == 8  # update() after each of the 8 steps, none overflowed
