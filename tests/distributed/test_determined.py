@@ -1,8 +1,8 @@
 """Trials written in Determined's three styles (tests/determined_trials/) run unchanged with `dtrain run` on 1 and 2
 slots: the legacy PyTorchTrial and the Trainer-API script end within 1e-9 (float64) of the same model written as a
 native dtrain Trial on 1 slot; the Core API script on 2 slots and on 1 slot, killed with SIGKILL mid-run and resumed
-from `latest_checkpoint` by the restart, end at the same weights. The runs start side by side (the machine's cores
-are mostly idle while each imports torch) and each test reads the runs it needs."""
+from `latest_checkpoint` by the restart, end at the same weights. The runs start four at a time, side by side (the
+machine's cores are mostly idle while each imports torch), and each test reads the runs it needs."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 
 TRIALS = Path(__file__).resolve().parents[1] / "determined_trials"
 TOLERANCE = 1e-9
+PARALLEL = 4  # runs started side by side (each picks free ports; more at once only adds load)
 
 RUNS: dict[str, tuple[str, list[str]]] = {
     "native-1": ("native.yaml", ["--set", "resources.slots_per_trial=1"]),
@@ -36,16 +37,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, subp
     root = tmp_path_factory.mktemp("determined")
     env = {k: v for k, v in os.environ.items() if k not in ("DTRAIN_LAUNCHER", "DTRAIN_RUN_DIR")}
     env["DTRAIN_RUNS_ROOT"] = str(root / "runs")
-    started = {}
-    for name, (config, extra) in RUNS.items():
-        command = [sys.executable, "-m", "dtrain.cli", "run", str(TRIALS / config), "--run-dir", str(root / name),
-                   *extra]
-        started[name] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                         cwd=root)
     done = {}
-    for name, process in started.items():
-        out, err = process.communicate(timeout=400)
-        done[name] = (root / name, subprocess.CompletedProcess(process.args, process.returncode, out, err))
+    names = list(RUNS)
+    for wave in range(0, len(names), PARALLEL):
+        started = {}
+        for name in names[wave:wave + PARALLEL]:
+            config, extra = RUNS[name]
+            command = [sys.executable, "-m", "dtrain.cli", "run", str(TRIALS / config), "--run-dir",
+                       str(root / name), *extra]
+            started[name] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                             env=env, cwd=root)
+        for name, process in started.items():
+            out, err = process.communicate(timeout=400)
+            done[name] = (root / name, subprocess.CompletedProcess(process.args, process.returncode, out, err))
     return done
 
 
