@@ -1,8 +1,9 @@
 """Trials written in Determined's three styles (tests/determined_trials/) run unchanged with `dtrain run` on 1 and 2
-slots: the legacy PyTorchTrial and the Trainer-API script end within 1e-9 (float64) of the same model written as a
-native dtrain Trial on 1 slot; the Core API script on 2 slots and on 1 slot, killed with SIGKILL mid-run and resumed
-from `latest_checkpoint` by the restart, end at the same weights. The runs start four at a time, side by side (the
-machine's cores are mostly idle while each imports torch), and each test reads the runs it needs."""
+slots: the legacy PyTorchTrial (also with a worker SIGKILLed and restarted) and the Trainer-API script end within
+1e-9 (float64) of the same model written as a native dtrain Trial on 1 slot; the Core API script on 2 slots and on
+1 slot, killed with SIGKILL mid-run and resumed from `latest_checkpoint` by the restart, end at the same weights; a
+script that uses no Determined API runs on every slot. The runs start four at a time, side by side (the machine's
+cores are mostly idle while each imports torch), and each test reads the runs it needs."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "native-1": ("native.yaml", ["--set", "resources.slots_per_trial=1"]),
     "legacy-1": ("const.yaml", ["--set", "resources.slots_per_trial=1"]),
     "legacy-2": ("const.yaml", []),
+    "legacy-2-killed": ("const.yaml", ["--set", "faults.kills=[{rank: 1, batch: 8}]", "--set", "max_restarts=1"]),
     "trainer-1": ("trainer.yaml", ["--set", "resources.slots_per_trial=1"]),
     "trainer-2": ("trainer.yaml", []),
     "core-2": ("core.yaml", []),
@@ -64,7 +66,7 @@ def _completed(runs: dict[str, tuple[Path, subprocess.CompletedProcess[str]]], n
 def _trainer_weights(runs: dict[str, tuple[Path, subprocess.CompletedProcess[str]]],
                      name: str) -> dict[str, torch.Tensor]:
     summary = _completed(runs, name)
-    assert summary["steps_completed"] == 12 and summary["world_size"] == int(name[-1])
+    assert summary["steps_completed"] == 12 and summary["world_size"] == int(name.split("-")[1])
     return torch.load(str(summary["checkpoint"]), weights_only=True)
 
 
@@ -83,7 +85,7 @@ def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> f
     return max(float((a[key] - b[key]).abs().max()) for key in a)
 
 
-@pytest.mark.parametrize("name", ["legacy-1", "legacy-2", "trainer-1", "trainer-2"])
+@pytest.mark.parametrize("name", ["legacy-1", "legacy-2", "legacy-2-killed", "trainer-1", "trainer-2"])
 def test_pytorch_trial_and_trainer_api_match_the_native_trial(
         runs: dict[str, tuple[Path, subprocess.CompletedProcess[str]]], name: str) -> None:
     native = _trainer_weights(runs, "native-1")
@@ -93,6 +95,8 @@ def test_pytorch_trial_and_trainer_api_match_the_native_trial(
     summary = _completed(runs, name)
     assert [entry["step"] for entry in summary["validation_history"]] == [6, 12]  # type: ignore[union-attr]
     assert list((run_dir / "tensorboard").iterdir())
+    if name.endswith("killed"):  # rank 1 was SIGKILLed at batch 8; the restart resumed from batch 6
+        assert summary["restarts"] == 1 and summary["resumes"] == 1, summary
 
 
 def test_the_reference_is_not_trivially_matched(runs: dict[str, tuple[Path, subprocess.CompletedProcess[str]]]

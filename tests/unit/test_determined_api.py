@@ -85,14 +85,20 @@ def test_the_shim_is_determined_when_the_real_package_is_absent() -> None:
         importlib.import_module("determined.keras")
 
 
-@pytest.mark.parametrize("aggregation", [1, 2])
-def test_a_pytorch_trial_trains_exactly_like_the_native_trial(tmp_path: Path, aggregation: int) -> None:
+@pytest.mark.parametrize("changes", [
+    {"optimizations": {"aggregation_frequency": 1}},
+    {"optimizations": {"aggregation_frequency": 2, "average_aggregated_gradients": True}},
+    {"large_batch": {"optimizer": "lars", "base_lr": 0.05, "lr_scaling": "linear", "base_batch_size": 16,
+                     "warmup_epochs": 0.5}},
+], ids=["plain", "aggregation-2", "large-batch-lars"])
+def test_a_pytorch_trial_trains_exactly_like_the_native_trial(tmp_path: Path, changes: dict[str, Any]) -> None:
+    """Through dtrain's Trainer, with gradient aggregation or a large_batch recipe (the config's optimizer and
+    rate schedule then replace the trial's, for both)."""
     from model_def import RegressionTrial
     from native import NativeRegression
 
-    optimizations = {"aggregation_frequency": aggregation, "average_aggregated_gradients": True}
-    native, _ = _train(tmp_path / "native", NativeRegression, optimizations=optimizations)
-    adapted, summary = _train(tmp_path / "legacy", RegressionTrial.__dtrain_trial__(), optimizations=optimizations)
+    native, _ = _train(tmp_path / "native", NativeRegression, **changes)
+    adapted, summary = _train(tmp_path / "legacy", RegressionTrial.__dtrain_trial__(), **changes)
     assert summary["status"] == "completed" and summary["steps_completed"] == 8
     expected = _weights(native)
     for name, value in _weights(adapted).items():
