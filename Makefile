@@ -69,7 +69,8 @@ bench: setup
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/search.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/svm.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/determined_compat.py
-	flock /tmp/dtrain-bench.lock $(PY) benchmarks/model_scale.py
+	flock /tmp/dtrain-bench.lock $(PY) benchmarks/model_scale.py --skip accuracy
+	flock /tmp/dtrain-bench.lock $(PY) benchmarks/model_scale.py --accuracy-only
 
 lint: setup
 	$(VENV)/bin/ruff check dtrain tests benchmarks examples

@@ -18,7 +18,8 @@ accuracy against fp32 on the Fashion-MNIST demo.
    fp32, bf16 and fp16; the difference in validation accuracy (target: within 0.5 points).
 
     python benchmarks/model_scale.py            # all five, 3 rounds (about 15 minutes on 2 busy cores)
-    python benchmarks/model_scale.py --quick    # 1 and 3 to 4 with fewer rounds, no accuracy runs
+    python benchmarks/model_scale.py --quick    # 1 to 4 with fewer rounds, no accuracy runs
+    python benchmarks/model_scale.py --skip accuracy && python benchmarks/model_scale.py --accuracy-only
 """
 
 from __future__ import annotations
@@ -356,6 +357,9 @@ def main() -> None:
                         help="memory over start-up each capped worker may use (default 0.7: DDP needs ~0.85 GB "
                              "of model state, FSDP2 on 2 ranks ~0.43)")
     parser.add_argument("--epochs", type=int, default=3, help="accuracy runs' length (default 3)")
+    parser.add_argument("--accuracy-only", action="store_true",
+                        help="only part 5, into results/model_scale_accuracy.json/.md (so the long accuracy runs "
+                             "can take the benchmark lock on their own)")
     parser.add_argument("--skip", action="append", default=[], choices=["memory", "cap", "pipeline", "precision",
                                                                          "accuracy"], help="leave a part out")
     args = parser.parse_args()
@@ -405,16 +409,20 @@ def main() -> None:
         rows.extend(found)
         headline.update(found_headline)
 
-    part("memory", memory)
-    part("cap", cap)
-    part("pipeline", pipeline)
-    part("precision", precision)
-    if not args.quick:
+    if args.accuracy_only:
         part("accuracy", accuracy)
+    else:
+        part("memory", memory)
+        part("cap", cap)
+        part("pipeline", pipeline)
+        part("precision", precision)
+        if not args.quick and "accuracy" not in args.skip:
+            part("accuracy", accuracy)
     if failures:
         headline["failed_parts"] = failures
     markdown = _markdown(headline, rows, args)
-    path = write_results("model_scale", headline, rows, markdown, machine_info(),
+    name = "model_scale_accuracy" if args.accuracy_only else "model_scale"
+    path = write_results(name, headline, rows, markdown, machine_info(),
                          extra={"settings": {"quick": args.quick, "rounds": rounds, "width": WIDTH, "blocks": BLOCKS,
                                              "cap_budget_gb": args.cap_budget_gb}})
     print(markdown)
