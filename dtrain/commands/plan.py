@@ -86,6 +86,11 @@ def register(subcommands: Any) -> argparse.ArgumentParser:
                        help="bytes sent / fp32 gradient bytes (fp16 0.5, top-1%% about 0.02; default 1)")
     strat.add_argument("--compression", choices=["none", "fp16"], default="none",
                        help="fp16: ratio 0.5 (with --this-machine, the host cost of fp16_compress_hook as calibrated)")
+    strat.add_argument("--device-speeds", metavar="LIST",
+                       help="relative speeds of the devices, e.g. 1,0.5 (one per device): predict the even split "
+                            "against the speed-proportional one of distributed.heterogeneous")
+    strat.add_argument("--averaging-period", type=int, metavar="H",
+                       help="local SGD: predict averaging every H updates instead of every step")
     strat.add_argument("--no-overlap", action="store_true", help="communicate only after backward ends")
     strat.add_argument("--aggregation-frequency", type=int, help="batches per synchronization (default 1, or "
                                                                  "--config's)")
@@ -311,12 +316,40 @@ def run_plan(args: argparse.Namespace) -> int:
     prediction = predict_step(model, compute, topology, strategy, devices, batch)
     advice = advise(model, compute, topology, strategy, devices, batch, args.target_efficiency)
     memory, memory_text = _memory(args, model.parameters, devices)
+    uneven, uneven_text = _uneven(args, prediction, devices)
     if args.json:
         print(json.dumps({"setup": header, "prediction": prediction.to_dict(),
-                          "recommendations": [vars(a) for a in advice], "memory": memory}, indent=2))
+                          "recommendations": [vars(a) for a in advice], "memory": memory, **uneven}, indent=2))
     else:
-        print(header + "\n" + format_prediction(prediction, advice) + "\n" + memory_text)
+        print(header + "\n" + format_prediction(prediction, advice) + "\n" + memory_text + uneven_text)
     return ExitCode.OK
+
+
+def _uneven(args: argparse.Namespace, prediction: Any, devices: int) -> tuple[dict[str, Any], str]:
+    """--device-speeds and --averaging-period: the uneven-cluster lines (dtrain.plan.uneven)."""
+    from dtrain.plan.uneven import format_local_sgd, format_uneven, local_sgd_step_seconds, predict_uneven
+
+    out: dict[str, Any] = {}
+    text = ""
+    if args.device_speeds:
+        try:
+            relative = [float(x) for x in args.device_speeds.split(",")]
+        except ValueError:
+            raise PlanError(f"--device-speeds {args.device_speeds!r}: give numbers, e.g. 1,0.5") from None
+        if len(relative) != devices or min(relative) <= 0:
+            raise PlanError(f"--device-speeds has {len(relative)} value(s) for {devices} devices; give one positive "
+                            "relative speed per device")
+        per_device = prediction.per_device_batch / prediction.compute_s  # records/s of a speed-1 device
+        uneven = predict_uneven(prediction.global_batch, [v * per_device for v in relative])
+        out["uneven"] = uneven.to_dict()
+        text += "\n" + format_uneven(uneven)
+    if args.averaging_period:
+        _positive("--averaging-period", args.averaging_period)
+        step = local_sgd_step_seconds(prediction.compute_s, prediction.communication_s, args.averaging_period)
+        out["local_sgd"] = {"period": args.averaging_period, "step_s": step}
+        text += "\n" + format_local_sgd(prediction.compute_s, prediction.exposed_communication_s,
+                                        prediction.communication_s, args.averaging_period)
+    return out, text
 
 
 def _memory(args: argparse.Namespace, parameters: float, devices: int) -> tuple[dict[str, Any], str]:

@@ -119,8 +119,9 @@ def _findings(config: ExperimentConfig, d: Mapping[str, Any]) -> tuple[list[dict
     if d["world_size"] > 1 and slow["confirmed"] and slow["others_wait_percent"] >= BOTTLENECK_PERCENT:
         found.append((slow["others_wait_percent"], f"slowest rank {slow['rank']}",
                       f"rank {slow['rank']} computes {slow['slower_than_others_percent']:.0f}% slower than the others "
-                      "and they wait for it: look for other load on its machine or device (logs/rank-"
-                      f"{slow['rank']}.log), or give slower ranks smaller batches (per-rank batch sizes)"))
+                      "and they wait for it: give ranks batches in proportion to their speed with "
+                      "`distributed.heterogeneous: {split: auto}`, or look for other load on its machine or device "
+                      f"(logs/rank-{slow['rank']}.log)"))
     found.sort(reverse=True)
     return ([{"name": name, "percent_of_step": share} for share, name, _ in found],
             [f"{name}: {fix}" for _, name, fix in found])

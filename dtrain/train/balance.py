@@ -6,7 +6,9 @@ Speed is this rank's own work: records over the seconds from the start of a batc
 moment its last gradient was accumulated in backward, before any wait for the other ranks; a sleep-based straggler
 (`faults.slow_rank`) and a CPU quota both show in it. After `calibrate_steps` updates on the even split, and every
 `rebalance_every` updates after that, the ranks exchange their median speeds and, when some rank's batch would
-change by more than `tolerance`, all take the new split at the same step. The exactness of the update does not
+change by more than `tolerance`, all take the new split at the same step (later re-balances move half way to the
+proportional split: a fixed cost per batch makes a rank with a small batch look slower per record, which would
+otherwise feed back into an ever smaller batch). The exactness of the update does not
 depend on the split: each rank's loss is scaled by world * its share (the contract of dtrain.sync.base), so the
 averaged gradient is the full-batch gradient whatever the split (LB-BSP, Chen et al. 2020; pytorch#67253).
 """
@@ -131,6 +133,9 @@ class Rebalancer:
         if any(speed <= 0 for speed in speeds):
             return None
         proposed = proportional_split(self.global_batch, speeds)
+        if self.rebalances:  # later re-balances go half way: records/s of a small batch understate a rank's speed
+            halfway = [(old + new) / 2 for old, new in zip(current.per_rank, proposed.per_rank, strict=True)]
+            proposed = proportional_split(self.global_batch, halfway)
         if not needs_rebalance(current.per_rank, proposed.per_rank, self.tolerance):
             return None
         self.rebalances += 1

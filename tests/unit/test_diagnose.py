@@ -184,6 +184,7 @@ def test_a_straggler_run_names_the_slowest_rank() -> None:
     assert result["bottleneck"] == "slowest rank 1"
     [advice] = result["advice"]
     assert advice.startswith("slowest rank 1: rank 1 computes 60% slower") and "logs/rank-1.log" in advice
+    assert "`distributed.heterogeneous: {split: auto}`" in advice  # the fix dtrain has for it
     assert result["verdict"][0] == "bottleneck: slowest rank 1 (38% of the step)"
     assert result["verdict"][-1] == "slowest rank 1: compute 80.0 ms per step, 60% slower than the others"
     assert slowest["confirmed"] is True  # as slow in the synthetic-data trial
