@@ -1,7 +1,8 @@
 """Heterogeneous workers on 2 gloo processes (float64): 3:1 batches weighted by their shares give exactly the
 gradient of one process on the union batch, and the plain unweighted average does not; a run with
 `distributed.heterogeneous.split: [3, 1]` equals one process training on the whole global batch; a run with
-`split: auto` and a straggler re-balances while keeping the global batch and identical replicas. One spawn."""
+`split: auto` and a straggler re-balances while keeping the global batch and identical replicas; the Trainer with
+`local_sgd` (H = 1) on the same 3:1 split equals it too. One spawn."""
 
 from __future__ import annotations
 
@@ -97,7 +98,10 @@ def _all(topology: Topology, tmp: str) -> dict[str, Any]:
                                             "tolerance": 0.0}
     auto["faults"] = {"slow_rank": 1, "slow_factor": 3.0}
     auto["searcher"]["max_length"] = {"batches": 8}
-    return {"gradients": _gradients(topology), "explicit": explicit, "auto": _run(topology, f"{tmp}/auto", auto)}
+    local = copy.deepcopy(RAW)  # the Trainer with local SGD (H = 1, no momentum): averaging == synchronous SGD
+    local["distributed"].update(strategy="local_sgd", local_sgd={"period": 1})
+    return {"gradients": _gradients(topology), "explicit": explicit, "auto": _run(topology, f"{tmp}/auto", auto),
+            "local_sgd": _run(topology, f"{tmp}/local", local)}
 
 
 def one_process_sgd(raw: dict[str, Any], steps: int) -> dict[str, torch.Tensor]:
@@ -140,6 +144,9 @@ def test_uneven_workers(spawn: Any, tmp_path: Path) -> None:
     for r in ranks:
         assert r["explicit"]["status"] == "completed"
         assert relative(r["explicit"]["state"], expected) < 1e-9
+    for r in ranks:  # through the Trainer, with checkpoints and validation (consolidation) and 18/6 batches
+        assert r["local_sgd"]["status"] == "completed"
+        assert relative(r["local_sgd"]["state"], expected) < 1e-9
     # auto: whatever split the measured speeds chose, the global batch stayed 24 and the replicas identical
     for r in ranks:
         assert r["auto"]["status"] == "completed" and r["auto"]["samples"] == 8 * 24
