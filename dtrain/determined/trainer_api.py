@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -26,14 +27,13 @@ from dtrain.errors import ConfigError, TrialError
 
 log = logging.getLogger("determined.pytorch")
 
-LOCAL_ENTRYPOINT = "__main__:Trial"  # the experiment config of a script run by hand (local mode) names no file
 
 
 class _Job:
     """What init() set up and fit() needs: the config, the topology, the run."""
 
-    def __init__(self, config: Any, topology: Any, run_info: Any) -> None:
-        self.config, self.topology, self.run_info = config, topology, run_info
+    def __init__(self, config: Any, topology: Any, run_info: Any, local: bool) -> None:
+        self.config, self.topology, self.run_info, self.local = config, topology, run_info, local
 
 
 @contextlib.contextmanager
@@ -57,8 +57,8 @@ def init(*, hparams: Mapping[str, Any] | None = None, exp_conf: Mapping[str, Any
     else:
         raw: dict[str, Any] = {"name": "determined-local", **dict(exp_conf or {})}
         raw.setdefault("hyperparameters", dict(hparams or {}))
-        raw["entrypoint"] = LOCAL_ENTRYPOINT
-        raw.setdefault("searcher", {}).setdefault("max_length", {"batches": 1})  # fit() sets the real one
+        raw["entrypoint"] = ["python3", *sys.argv[:1]]  # the script run by hand: a command, as on a cluster
+        raw.setdefault("searcher", {"name": "single", "metric": "validation_loss"})  # fit() gives the length
         raw.setdefault("optimizations", {}).setdefault("aggregation_frequency", aggregation_frequency)
         loaded = load_config(None, raw=raw)
         run_info = prepare_run_dir(loaded.config, None, Path.cwd())
@@ -82,7 +82,7 @@ def init(*, hparams: Mapping[str, Any] | None = None, exp_conf: Mapping[str, Any
         local_size=int(os.environ.get("LOCAL_WORLD_SIZE", topology.world_size)), cross_rank=topology.node_rank,
         cross_size=max(topology.world_size // max(int(os.environ.get("LOCAL_WORLD_SIZE", topology.world_size)), 1),
                        1)))
-    context._job = _Job(config, topology, run_info)  # type: ignore[attr-defined]
+    context._job = _Job(config, topology, run_info, local=run_dir is None)  # type: ignore[attr-defined]
     yield context
 
 
@@ -116,8 +116,7 @@ class Trainer:
         job = self.context._job  # type: ignore[attr-defined]
         raw = job.config.model_dump(mode="json")
         searcher = raw["searcher"]
-        local = raw["entrypoint"] == LOCAL_ENTRYPOINT
-        if max_length is not None and (searcher.get("max_length") is None or local):
+        if max_length is not None and (searcher.get("max_length") is None or job.local):
             searcher["max_length"] = _length(max_length, "max_length")
         elif searcher.get("max_length") is None:
             raise ConfigError("Trainer.fit() needs a length: give fit(max_length=pytorch.Epoch(1)) or set "

@@ -344,3 +344,44 @@ def test_a_grad_scaler_is_unscaled_before_the_step(tmp_path: Path) -> None:
         assert torch.equal(value, expected[name]), name
     scaler = scaled.trial.det_trial.scaler  # type: ignore[attr-defined]
     assert scaler._get_growth_tracker() == 8  # update() after each of the 8 steps, none overflowed
+
+
+def test_trainer_api_local_mode_without_a_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python3 train.py` by hand (Determined's local mode): init(hparams=...) and fit(max_length=...) train in this
+    process, in a run dir of its own; without global_batch_size the data loader's batch size gives it."""
+    from model_def import RegressionTrial
+
+    from dtrain.determined.trainer_api import Trainer as DetTrainer
+    from dtrain.determined.trainer_api import init
+
+    class LoaderSized(RegressionTrial):
+        def build_training_data_loader(self) -> DataLoader:
+            from data import regression
+
+            return DataLoader(regression(256, seed=1), batch_size=16)
+
+        build_validation_data_loader = build_training_data_loader
+
+    for name in ("DTRAIN_RUN_DIR", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")  # restored (or removed) after the test: init() sets DTRAIN_RUN_DIR
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("DTRAIN_RUNS_ROOT", str(tmp_path / "runs"))
+    monkeypatch.chdir(tmp_path)
+    import determined as det
+    import torch.distributed as dist
+    from determined import pytorch
+
+    assert det.get_cluster_info() is None  # off-cluster, before init() makes a run dir
+    try:
+        with init(hparams={"learning_rate": 0.05}) as context:
+            with pytest.raises(TrialError, match="needs hyperparameters.global_batch_size"):
+                context.get_per_slot_batch_size()
+            trial = LoaderSized(context)
+            summary = DetTrainer(trial, context).fit(max_length=pytorch.Batch(4),
+                                                     validation_period=pytorch.Batch(2))
+    finally:
+        if dist.is_initialized():  # the one-process group init() made
+            dist.destroy_process_group()
+    assert summary["status"] == "completed" and summary["steps_completed"] == 4
+    assert summary["global_batch_size"] == 16 and [e["step"] for e in summary["validation_history"]] == [2, 4]
+    assert context.get_per_slot_batch_size() == 16
