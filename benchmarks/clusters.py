@@ -55,7 +55,7 @@ def hetero(rounds: int, epochs: float, workdir: Path) -> tuple[dict[str, Any], l
     batches = int(epochs * 60000 // 256)
     base = ["resources.slots_per_trial=2", f"searcher.max_length={{batches: {batches}}}",
             f"min_validation_period={{batches: {batches}}}", "min_checkpoint_period={batches: 0}",
-            "checkpoint_policy=none", "reproducibility.experiment_seed=0"]
+            "checkpoint_policy=none", "reproducibility.experiment_seed=0", "hyperparameters.learning_rate=0.05"]
     if not real:
         base += ["faults.slow_rank=1", "faults.slow_factor=2"]
 
@@ -115,7 +115,8 @@ def cluster_training(rounds: int, epochs: float, rate: str, workdir: Path
     validations = max(int(epochs * 4), 2)
     base = ["resources.slots_per_trial=4", "hyperparameters.hidden=512", f"searcher.max_length={{batches: {batches}}}",
             f"min_validation_period={{batches: {batches // validations}}}", "min_checkpoint_period={batches: 0}",
-            "checkpoint_policy=none", "reproducibility.experiment_seed=0", f"scheduling_unit={batches // validations}"]
+            "checkpoint_policy=none", "reproducibility.experiment_seed=0", f"scheduling_unit={batches // validations}",
+            "hyperparameters.learning_rate=0.05"]
     variants = {
         "sync": [],
         "post_local_h8": ["distributed.strategy=local_sgd", "distributed.local_sgd.period=8",
@@ -241,32 +242,40 @@ def main() -> None:
                         help="run only these parts (default: all)")
     args = parser.parse_args()
     from cluster import unavailable_reason
-    from common import machine_info, markdown_table, write_results
 
     parts = args.only or ["hetero", "cluster", "hierarchical"]
     rounds = 1 if args.quick else 2
     headline: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
     reason = unavailable_reason()
-    with tempfile.TemporaryDirectory(prefix="dtrain-clusters-") as tmp:
-        workdir = Path(tmp)
-        if "hierarchical" in parts and reason is None:
-            head, part_rows = hierarchical(4 if args.quick else 8, 32.0, args.rate, workdir)
-            headline.update(head)
-            rows += part_rows
-            log(f"hierarchical: {head}")
-        if "hetero" in parts:
-            head, part_rows = hetero(rounds, 0.5 if args.quick else 1.0, workdir)
-            headline.update(head)
-            rows += part_rows
-            log(f"hetero: {head}")
-        if "cluster" in parts and reason is None:
-            head, part_rows = cluster_training(rounds, 1.0 if args.quick else 2.0, args.rate, workdir)
-            headline.update(head)
-            rows += part_rows
-            log(f"cluster: {head}")
     if reason is not None:
         headline["cluster_parts_skipped"] = reason
+    with tempfile.TemporaryDirectory(prefix="dtrain-clusters-") as tmp:
+        workdir = Path(tmp)
+        jobs = [("hierarchical", reason is None,
+                 lambda: hierarchical(4 if args.quick else 8, 32.0, args.rate, workdir)),
+                ("hetero", True, lambda: hetero(rounds, 0.5 if args.quick else 1.0, workdir)),
+                ("cluster", reason is None,
+                 lambda: cluster_training(rounds, 1.0 if args.quick else 2.0, args.rate, workdir))]
+        for name, possible, job in jobs:
+            if name not in parts or not possible:
+                continue
+            try:
+                head, part_rows = job()
+            except Exception as exc:  # a failed part is reported; the parts measured so far are kept
+                headline[f"{name}_failed"] = str(exc)[-500:]
+                log(f"{name} failed: {exc}")
+                continue
+            headline.update(head)
+            rows += part_rows
+            log(f"{name}: {head}")
+            _write(args, headline, rows)  # after every part: a later failure cannot lose what was measured
+    _write(args, headline, rows)
+
+
+def _write(args: argparse.Namespace, headline: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    from common import machine_info, markdown_table, write_results
+
     targets = [("hetero_speedup", ">= 1.35"), ("hetero_accuracy_gap_points", "within 0.5"),
                ("local_sgd_time_to_target_speedup", ">= 1.5"), ("diloco_allreduce_reduction", ">= 50"),
                ("diloco_accuracy_gap_points", "<= 1"), ("hierarchical_speedup", ">= 1.3"),
