@@ -2,7 +2,7 @@
 slots: the legacy PyTorchTrial (also with a worker SIGKILLed and restarted) and the Trainer-API script end within
 1e-9 (float64) of the same model written as a native dtrain Trial on 1 slot; the Core API script on 2 slots and on
 1 slot, killed with SIGKILL mid-run and resumed from `latest_checkpoint` by the restart, end at the same weights; a
-script that uses no Determined API runs on every slot. The runs start four at a time, side by side (the machine's
+script that uses no Determined API runs on every slot. The runs start five at a time, side by side (the machine's
 cores are mostly idle while each imports torch), and each test reads the runs it needs."""
 
 from __future__ import annotations
@@ -18,18 +18,18 @@ import torch
 
 TRIALS = Path(__file__).resolve().parents[1] / "determined_trials"
 TOLERANCE = 1e-9
-PARALLEL = 4  # runs started side by side (each picks free ports; more at once only adds load)
+PARALLEL = 5  # runs started side by side: two waves (each picks free ports; more at once only adds load)
 
 RUNS: dict[str, tuple[str, list[str]]] = {
+    "legacy-2-killed": ("const.yaml", ["--set", "faults.kills=[{rank: 1, batch: 8}]", "--set", "max_restarts=1"]),
+    "core-1-killed": ("core.yaml", ["--set", "resources.slots_per_trial=1", "--set", "max_restarts=1",
+                                    "--set", "entrypoint=python3 core_train.py --kill-at 6"]),
     "native-1": ("native.yaml", ["--set", "resources.slots_per_trial=1"]),
     "legacy-1": ("const.yaml", ["--set", "resources.slots_per_trial=1"]),
     "legacy-2": ("const.yaml", []),
-    "legacy-2-killed": ("const.yaml", ["--set", "faults.kills=[{rank: 1, batch: 8}]", "--set", "max_restarts=1"]),
     "trainer-1": ("trainer.yaml", ["--set", "resources.slots_per_trial=1"]),
     "trainer-2": ("trainer.yaml", []),
     "core-2": ("core.yaml", []),
-    "core-1-killed": ("core.yaml", ["--set", "resources.slots_per_trial=1", "--set", "max_restarts=1",
-                                    "--set", "entrypoint=python3 core_train.py --kill-at 6"]),
     "plain-2": ("core.yaml", ["--set", "entrypoint=python3 -c \"import os; print('plain rank', os.environ['RANK'])\""]),
 }
 
