@@ -2,7 +2,7 @@
 FSDP2 trains under, pipeline efficiency against the bubble formula, mixed-precision step time, and bf16/fp16
 accuracy against fp32 on the Fashion-MNIST demo.
 
-1. Memory (2 and 4 processes, gloo): the wide MLP of examples/wide_mlp (53 M parameters) with Adam, 2 steps
+1. Memory (2 and 4 processes, gloo): the wide MLP of examples/wide_mlp (106 M parameters) with Adam, 2 steps
    through dtrain's strategies (allreduce = DDP, zero1, fsdp). Per rank: model-state bytes (local parameters,
    gradients, optimizer state tensors; DTensor shards by their local size), peak RSS, and `dtrain plan`'s
    prediction (dtrain.plan.memory) with its error. Headline `fsdp_memory_fraction_4` = FSDP2 / DDP model-state
@@ -353,9 +353,9 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer rounds, no accuracy runs")
     parser.add_argument("--rounds", type=int, help="pipeline and precision rounds (default 3, quick 2)")
-    parser.add_argument("--cap-budget-gb", type=float, default=0.7,
-                        help="memory over start-up each capped worker may use (default 0.7: DDP needs ~0.85 GB "
-                             "of model state, FSDP2 on 2 ranks ~0.43)")
+    parser.add_argument("--cap-budget-gb", type=float, default=1.2,
+                        help="memory over start-up each capped worker may use (default 1.2: DDP needs ~1.69 GB "
+                             "of model state, FSDP2 on 2 ranks ~0.85)")
     parser.add_argument("--epochs", type=int, default=3, help="accuracy runs' length (default 3)")
     parser.add_argument("--accuracy-only", action="store_true",
                         help="only part 5, into results/model_scale_accuracy.json/.md (so the long accuracy runs "

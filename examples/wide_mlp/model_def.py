@@ -1,5 +1,6 @@
-"""A wide MLP of residual blocks on synthetic data: about 53 M parameters at the defaults (8 blocks of width
-2560), so that with Adam its model state (16 bytes per parameter, 0.85 GB) is what a worker's memory holds.
+"""A wide MLP of residual blocks on synthetic data: about 106 M parameters with width 2560 and 8 blocks (the
+configs and benchmarks/model_scale.py), so that with Adam its model state (16 bytes per parameter, 1.69 GB) is
+what a worker holds.
 The blocks are its top-level children (an nn.Sequential), so FSDP shards them one by one, a pipeline cuts
 between them, and `activation_checkpointing: [Block]` recomputes them. benchmarks/model_scale.py trains it."""
 
