@@ -360,6 +360,7 @@ def main() -> None:
     parser.add_argument("--accuracy-only", action="store_true",
                         help="only part 5, into results/model_scale_accuracy.json/.md (so the long accuracy runs "
                              "can take the benchmark lock on their own)")
+    parser.add_argument("--results-name", help="results file name (default model_scale, or model_scale_accuracy)")
     parser.add_argument("--skip", action="append", default=[], choices=["memory", "cap", "pipeline", "precision",
                                                                          "accuracy"], help="leave a part out")
     args = parser.parse_args()
@@ -421,7 +422,7 @@ def main() -> None:
     if failures:
         headline["failed_parts"] = failures
     markdown = _markdown(headline, rows, args)
-    name = "model_scale_accuracy" if args.accuracy_only else "model_scale"
+    name = args.results_name or ("model_scale_accuracy" if args.accuracy_only else "model_scale")
     path = write_results(name, headline, rows, markdown, machine_info(),
                          extra={"settings": {"quick": args.quick, "rounds": rounds, "width": WIDTH, "blocks": BLOCKS,
                                              "cap_budget_gb": args.cap_budget_gb}})
