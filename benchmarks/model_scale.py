@@ -113,7 +113,7 @@ def _train_steps(topology: Any, layout: str, steps: int, batch: int) -> dict[str
     """Build the wide MLP under `layout`, train `steps` Adam steps; model-state bytes and peak RSS."""
     import torch
     import torch.nn.functional as F
-    from model_def import build_wide_mlp
+    from model_def import build_wide_mlp  # type: ignore[attr-defined]  # examples/wide_mlp's, on sys.path here
 
     torch.manual_seed(0)
     model = build_wide_mlp(INPUTS, WIDTH, BLOCKS, CLASSES)
@@ -198,7 +198,7 @@ def _pipeline(topology: Any, microbatches: list[int], rounds: int, batch: int, w
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from model_def import build_wide_mlp
+    from model_def import build_wide_mlp  # type: ignore[attr-defined]  # examples/wide_mlp's, on sys.path here
 
     from dtrain.sync.pipeline import PipelineStrategy
 
@@ -291,7 +291,7 @@ def pipeline_rows(microbatches: list[int], rounds: int, log: Any) -> tuple[list[
 def precision_rows(rounds: int, log: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     import torch
     import torch.nn.functional as F
-    from model_def import build_wide_mlp
+    from model_def import build_wide_mlp  # type: ignore[attr-defined]  # examples/wide_mlp's, on sys.path here
 
     from dtrain.train.precision import cpu_has_native_bf16
 
