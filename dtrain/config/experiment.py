@@ -147,7 +147,9 @@ class ExperimentConfig(Section):
 
     @model_validator(mode="after")
     def _parallel_layout(self) -> ExperimentConfig:
-        check_layout(self)
+        check_layout(optimizations=self.optimizations, distributed=self.distributed, compression=self.compression,
+                     world_size=self.resources.world_size,
+                     global_batch_size=self.hyperparameters.get("global_batch_size"))
         return self
 
     @property

@@ -3,35 +3,32 @@ the slots can hold, which settings the strategies take, and which precision a ru
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from dtrain.config.distributed import Compression, Distributed, Optimizations
 from dtrain.config.names import PrecisionName
-
-if TYPE_CHECKING:
-    from dtrain.config.experiment import ExperimentConfig
 
 SHARDED_STRATEGIES = ("zero1", "fsdp", "pipeline")
 
 
-def effective_precision(config: ExperimentConfig) -> PrecisionName:
+def effective_precision(optimizations: Optimizations) -> PrecisionName:
     """`optimizations.precision`, or fp16 for Determined's `mixed_precision: O1/O2` (Apex's fp16 levels)."""
-    if config.optimizations.mixed_precision in ("O1", "O2"):
+    if optimizations.mixed_precision in ("O1", "O2"):
         return "fp16"
-    return config.optimizations.precision
+    return optimizations.precision
 
 
-def model_parallel_size(config: ExperimentConfig) -> int:
+def model_parallel_size(distributed: Distributed) -> int:
     """Ranks that share one data replica's batches: the pipeline's stages, else 1."""
-    return config.distributed.pipeline.stages if config.distributed.strategy == "pipeline" else 1
+    return distributed.pipeline.stages if distributed.strategy == "pipeline" else 1
 
 
-def check_layout(config: ExperimentConfig) -> None:
+def check_layout(*, optimizations: Optimizations, distributed: Distributed, compression: Compression,
+                 world_size: int, global_batch_size: object) -> None:
     """Raise ValueError (one line: value, rule, fix) for a layout or setting the strategy cannot run."""
-    opt, dist = config.optimizations, config.distributed
+    opt, dist = optimizations, distributed
     if opt.mixed_precision in ("O1", "O2") and opt.precision == "bf16":
         raise ValueError(f"optimizations.mixed_precision {opt.mixed_precision} (fp16) and optimizations.precision "
                          "bf16 name two precisions; remove one of them")
-    if effective_precision(config) == "fp16" and dist.strategy == "parameter_server":
+    if effective_precision(opt) == "fp16" and dist.strategy == "parameter_server":
         raise ValueError("optimizations.precision fp16 needs a loss scaler that all workers agree on at each step, "
                          "which strategy parameter_server cannot give; use bf16 or strategy allreduce")
     if dist.strategy not in SHARDED_STRATEGIES:
@@ -39,31 +36,29 @@ def check_layout(config: ExperimentConfig) -> None:
     if dist.op != "average":
         raise ValueError(f"distributed.op `{dist.op}` applies to strategy allreduce; strategy {dist.strategy} "
                          "averages gradients: remove distributed.op")
-    if config.compression.name != "none":
-        raise ValueError(f"gradient compression `{config.compression.name}` applies to strategy allreduce, not to "
+    if compression.name != "none":
+        raise ValueError(f"gradient compression `{compression.name}` applies to strategy allreduce, not to "
                          f"{dist.strategy}; remove distributed.compression")
     if dist.strategy == "pipeline":
-        _check_pipeline(config)
+        _check_pipeline(opt, dist, world_size, global_batch_size)
 
 
-def _check_pipeline(config: ExperimentConfig) -> None:
-    p = config.distributed.pipeline
-    slots = config.resources.world_size
+def _check_pipeline(opt: Optimizations, dist: Distributed, slots: int, gbs: object) -> None:
+    p = dist.pipeline
     if slots % p.stages:
         raise ValueError(f"distributed.pipeline.stages ({p.stages}) must divide resources.slots_per_trial ({slots}): "
                          f"each pipeline replica needs {p.stages} slots; use slots_per_trial "
                          f"{max(p.stages, slots - slots % p.stages)} or stages that divide {slots}")
     replicas = slots // p.stages
-    gbs = config.hyperparameters["global_batch_size"]
-    if gbs % (replicas * p.microbatches):
+    if isinstance(gbs, int) and gbs % (replicas * p.microbatches):
         raise ValueError(f"hyperparameters.global_batch_size ({gbs}) must split into {replicas} pipeline replica(s) x "
                          f"{p.microbatches} microbatches of equal size; use a multiple of {replicas * p.microbatches}")
     if p.split_points and len(p.split_points) != p.stages - 1:
         raise ValueError(f"distributed.pipeline.split_points names {len(p.split_points)} cut(s) "
                          f"({', '.join(p.split_points)}) for {p.stages} stages; name stages - 1 = {p.stages - 1}")
-    if config.distributed.heterogeneous is not None:
+    if dist.heterogeneous is not None:
         raise ValueError("distributed.heterogeneous with strategy pipeline: per-rank batch shares are not built for "
                          "pipeline replicas; remove distributed.heterogeneous")
-    if config.optimizations.aggregation_frequency != 1:
+    if opt.aggregation_frequency != 1:
         raise ValueError("optimizations.aggregation_frequency > 1 with strategy pipeline: raise "
                          "distributed.pipeline.microbatches instead (microbatches already accumulate gradients)")

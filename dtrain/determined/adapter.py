@@ -1,5 +1,5 @@
-"""The dtrain Trial that trains a Determined `PyTorchTrial`: dtrain's Trainer runs it like any Trial, so restarts,
-checkpoints, the store, TensorBoard, `distributed:` strategies, `large_batch:` and `faults:` apply unchanged.
+"""Determined's `PyTorchTrial`, and the dtrain Trial that trains it: dtrain's Trainer runs that like any Trial, so
+restarts, checkpoints, the store, TensorBoard, `distributed:` strategies, `large_batch:` and `faults:` apply unchanged.
 
 The PyTorchTrial is built in the adapter's `__init__` (Determined builds the trial before its data loaders);
 its wrapped model and optimizer are what `build_model`/`build_optimizer` return, the datasets of its data loaders
@@ -17,9 +17,49 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from dtrain.determined.context import PyTorchTrialContext
-from dtrain.determined.pytorch import DataLoader, LRScheduler, PyTorchCallback, PyTorchTrial
+from dtrain.determined.pytorch import DataLoader, LRScheduler, PyTorchCallback
 from dtrain.errors import TrialError
+from dtrain.train.batches import batch_length
 from dtrain.train.trial import Trial, TrialContext
+
+
+class PyTorchTrial:
+    """Subclass this as in Determined: `__init__(context)` builds and wraps the model and optimizer,
+    `train_batch(batch, epoch_idx, batch_idx)` runs forward, `context.backward(loss)` and
+    `context.step_optimizer(optimizer)`, and `evaluate_batch(batch[, batch_idx])` returns metrics."""
+
+    trial_context_class: type[Any] | None = None
+
+    def __init__(self, context: PyTorchTrialContext) -> None:
+        self.context = context
+
+    @classmethod
+    def __dtrain_trial__(cls) -> type[Trial]:
+        """The dtrain Trial that trains this class (dtrain's entrypoint loader calls it)."""
+        return adapter_for(cls)
+
+    def train_batch(self, batch: Any, epoch_idx: int, batch_idx: int) -> torch.Tensor | dict[str, Any]:
+        raise NotImplementedError("train_batch(batch, epoch_idx, batch_idx) must run the model, call "
+                                  "context.backward(loss) and context.step_optimizer(optimizer), and return metrics")
+
+    def build_training_data_loader(self) -> DataLoader:
+        raise NotImplementedError("build_training_data_loader() must return a determined.pytorch.DataLoader")
+
+    def build_validation_data_loader(self) -> DataLoader:
+        raise NotImplementedError("build_validation_data_loader() must return a determined.pytorch.DataLoader")
+
+    def build_callbacks(self) -> dict[str, PyTorchCallback]:
+        return {}
+
+    def evaluate_batch(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        raise NotImplementedError("evaluate_batch(batch) must return {metric name: batch mean}")
+
+    def evaluate_full_dataset(self, data_loader: torch.utils.data.DataLoader) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def get_batch_length(self, batch: Any) -> int:
+        return batch_length(batch)
+
 
 _ADAPTERS: dict[type[PyTorchTrial], type[DeterminedTrial]] = {}
 

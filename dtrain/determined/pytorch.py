@@ -1,19 +1,15 @@
-"""`determined.pytorch`'s classes: `PyTorchTrial`, `DataLoader`, `LRScheduler`, `PyTorchCallback`, `MetricReducer`
-and the training units `Batch`, `Epoch`. A `PyTorchTrial` is trained by dtrain's Trainer through the adapter
-Trial of `adapter.py`; its `__dtrain_trial__()` is how dtrain's entrypoint loader finds that adapter."""
+"""The pieces of `determined.pytorch` that a PyTorchTrial uses: `DataLoader`, `LRScheduler`, `PyTorchCallback`,
+`MetricReducer` and the training units `Batch`, `Epoch`. `PyTorchTrial` itself stands in `adapter.py`, beside the
+dtrain Trial that trains it."""
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
-
-if TYPE_CHECKING:
-    from dtrain.determined.context import PyTorchTrialContext
-    from dtrain.train.trial import Trial
 
 
 class DataLoader:
@@ -135,45 +131,3 @@ class MetricReducer:
 
     def cross_slot_reduce(self, per_slot_metrics: list[Any]) -> Any:
         raise NotImplementedError
-
-
-class PyTorchTrial:
-    """Subclass this as in Determined: `__init__(context)` builds and wraps the model and optimizer,
-    `train_batch(batch, epoch_idx, batch_idx)` runs forward, `context.backward(loss)` and
-    `context.step_optimizer(optimizer)`, and `evaluate_batch(batch[, batch_idx])` returns metrics."""
-
-    trial_context_class: type[Any] | None = None
-
-    def __init__(self, context: PyTorchTrialContext) -> None:
-        self.context = context
-
-    @classmethod
-    def __dtrain_trial__(cls) -> type[Trial]:
-        """The dtrain Trial that trains this class (dtrain's entrypoint loader calls it)."""
-        from dtrain.determined.adapter import adapter_for
-
-        return adapter_for(cls)
-
-    def train_batch(self, batch: Any, epoch_idx: int, batch_idx: int) -> torch.Tensor | dict[str, Any]:
-        raise NotImplementedError("train_batch(batch, epoch_idx, batch_idx) must run the model, call "
-                                  "context.backward(loss) and context.step_optimizer(optimizer), and return metrics")
-
-    def build_training_data_loader(self) -> DataLoader:
-        raise NotImplementedError("build_training_data_loader() must return a determined.pytorch.DataLoader")
-
-    def build_validation_data_loader(self) -> DataLoader:
-        raise NotImplementedError("build_validation_data_loader() must return a determined.pytorch.DataLoader")
-
-    def build_callbacks(self) -> dict[str, PyTorchCallback]:
-        return {}
-
-    def evaluate_batch(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        raise NotImplementedError("evaluate_batch(batch) must return {metric name: batch mean}")
-
-    def evaluate_full_dataset(self, data_loader: torch.utils.data.DataLoader) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def get_batch_length(self, batch: Any) -> int:
-        from dtrain.train.batches import batch_length
-
-        return batch_length(batch)

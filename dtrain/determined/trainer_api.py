@@ -19,10 +19,11 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from dtrain.determined.adapter import PyTorchTrial, adapter_for
 from dtrain.determined.cluster import run_dir_from_env
 from dtrain.determined.context import PyTorchTrialContext
 from dtrain.determined.distributed import DistributedContext
-from dtrain.determined.pytorch import Batch, PyTorchTrial, TrainUnit
+from dtrain.determined.pytorch import Batch, TrainUnit
 from dtrain.errors import ConfigError, TrialError
 
 log = logging.getLogger("determined.pytorch")
@@ -110,7 +111,6 @@ class Trainer:
         run dir's latest checkpoint (`latest_checkpoint` names the same one after a restart and is not needed)."""
         del latest_checkpoint, test_mode, profiling_enabled
         from dtrain.config import load_config
-        from dtrain.determined.adapter import adapter_for
         from dtrain.train.trainer import Trainer as DtrainTrainer
 
         job = self.context._job  # type: ignore[attr-defined]

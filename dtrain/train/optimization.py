@@ -99,7 +99,7 @@ def build_optimization(config: ExperimentConfig, trial: Trial, model: nn.Module,
         curve = build_lr_schedule(lb, first.records_per_update, schedule.epoch_of(schedule.total_batches))
         lr_schedule = ScheduledLR(optimizer, curve)
     scaler = None
-    if effective_precision(config) == "fp16":
+    if effective_precision(config.optimizations) == "fp16":
         device_type = next((p.device.type for p in model.parameters()), "cpu")
         scaler = torch.amp.GradScaler(device_type)
     return Optimization(optimizer=optimizer, scheduler=scheduler, lr_schedule=lr_schedule, schedule=schedule,

@@ -106,7 +106,7 @@ class Trainer:
         self.run_info = run_info
         self.run_dir = run_info.run_dir
         # data replicas: every rank, except that the ranks of one pipeline share a replica's batches
-        stages = model_parallel_size(config)
+        stages = model_parallel_size(config.distributed)
         replicas, replica = topology.world_size // stages, topology.rank // stages
         split = batch_split or initial_split(config, replicas)
         if len(split.per_rank) != replicas:
@@ -158,7 +158,7 @@ class Trainer:
                             else _replicas_never_differ)
         self.forward_backward: RunsForwardBackward = (
             self.strategy if isinstance(self.strategy, RunsForwardBackward) else LocalForwardBackward(self.strategy))
-        precision = effective_precision(config)
+        precision = effective_precision(config.optimizations)
         if precision != "fp32":  # autocast (and fp16's loss scaler) around whichever stage runs
             self.forward_backward = MixedPrecision(self.forward_backward, precision, topology.device,
                                                    self.optimization.scaler, self.optimization.optimizer,

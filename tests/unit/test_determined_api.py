@@ -18,10 +18,10 @@ from dtrain.comm import Topology
 from dtrain.config import load_config
 from dtrain.data.sharding import split_global_batch
 from dtrain.determined import SHIM, install_import_path
-from dtrain.determined.adapter import adapter_for
+from dtrain.determined.adapter import PyTorchTrial, adapter_for
 from dtrain.determined.command import check_command, resolve_argv
 from dtrain.determined.context import PyTorchTrialContext
-from dtrain.determined.pytorch import DataLoader, LRScheduler, PyTorchTrial
+from dtrain.determined.pytorch import DataLoader, LRScheduler
 from dtrain.errors import ConfigError, InvalidHP, TrialError
 from dtrain.runs.rundir import load_run_info, prepare_run_dir
 from dtrain.train.trainer import Trainer

@@ -54,14 +54,14 @@ def test_impossible_layouts_are_one_line_each(raw: dict[str, Any], words: str) -
 def test_possible_layouts_load() -> None:
     config = load_config(None, raw=raw_with(distributed={"strategy": "fsdp", "fsdp": {"reshard_after_forward": False}},
                                             optimizations={"precision": "bf16"})).config
-    assert config.distributed.strategy == "fsdp" and effective_precision(config) == "bf16"
+    assert config.distributed.strategy == "fsdp" and effective_precision(config.optimizations) == "bf16"
     assert load_config(None, raw=raw_with(distributed={"strategy": "zero1"})).config.distributed.strategy == "zero1"
 
 
 @pytest.mark.parametrize(("level", "precision"), [("O0", "fp32"), ("O1", "fp16"), ("O2", "fp16")])
 def test_determined_mixed_precision_levels_map_to_a_precision(level: str, precision: str) -> None:
     config = load_config(None, raw=raw_with(optimizations={"mixed_precision": level})).config
-    assert effective_precision(config) == precision
+    assert effective_precision(config.optimizations) == precision
 
 
 def test_o3_is_refused_by_name_before_a_run_starts() -> None:

@@ -1,6 +1,7 @@
 """`determined.pytorch` on dtrain: PyTorchTrial and its context, DataLoader, LRScheduler, callbacks, training
 units, and the Trainer API (`init`, `Trainer`)."""
 
+from dtrain.determined.adapter import PyTorchTrial
 from dtrain.determined.context import PyTorchTrialContext
 from dtrain.determined.distributed import DistributedContext
 from dtrain.determined.pytorch import (
@@ -10,7 +11,6 @@ from dtrain.determined.pytorch import (
     LRScheduler,
     MetricReducer,
     PyTorchCallback,
-    PyTorchTrial,
     TrainUnit,
 )
 from dtrain.determined.trainer_api import Trainer, init
