@@ -19,8 +19,10 @@ during local phases the hook returns the bucket untouched (or averages it inside
 scaling (world * share) still holds: a rank's scaled local gradient, averaged over ranks, is the full-batch one.
 
 Replicas differ between rounds, so the strategy is `Consolidating`: a validation or checkpoint is an averaging
-round (an outer step for DiLoCo), the same on every rank. Momentum and other inner-optimizer state stay local and
-a checkpoint holds rank 0's (a resumed run starts every rank from it); the outer optimizer's state is saved.
+round (an outer step for DiLoCo), the same on every rank. Momentum and other inner-optimizer state stay local, so
+the strategy owns its checkpoint state (`OwnsCheckpointState`): a checkpoint holds every rank's optimizer state and
+each rank resumes from its own (a resumed run ends bitwise where an uninterrupted one does); the outer optimizer's
+state is saved with the strategy's.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at registration as real objects.
@@ -34,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from dtrain.comm import Topology
+from dtrain.comm import Topology, all_gather_object
 from dtrain.comm.topology import NodeGroups, node_groups
 from dtrain.compress import BucketInfo, Compressor, NoCompression, WireStats, build_compressor
 from dtrain.config import ExperimentConfig
@@ -72,7 +74,7 @@ def local_sgd_hook(state: LocalHookState, bucket: dist.GradBucket) -> torch.futu
 
 class LocalSGDStrategy:
     """Local SGD, post-local SGD, hierarchical periods and DiLoCo behind the core protocol, plus `Consolidating`,
-    `WireMetering` and `ReportingMetrics` (dtrain.sync.base)."""
+    `WireMetering`, `ReportingMetrics` and `OwnsCheckpointState` (dtrain.sync.base)."""
 
     name = "local_sgd"
 
@@ -182,6 +184,26 @@ class LocalSGDStrategy:
         (no local update since the last round)."""
         if self._ddp is not None and self.local_updates > 0:
             self._average()
+
+    def model_state_dict(self) -> dict[str, Any]:
+        """The model (the same on every rank: a checkpoint is an averaging round first)."""
+        return self.unwrap_model().state_dict()
+
+    def load_model_state_dict(self, state: dict[str, Any]) -> None:
+        self.unwrap_model().load_state_dict(state)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Every rank's inner-optimizer state, in rank order (momentum differs between ranks after local steps)."""
+        return {"per_rank": all_gather_object(optimizer.state_dict())}
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """This rank's own state; a checkpoint from another world size (or a plain one) gives every rank the first."""
+        per_rank = state.get("per_rank")
+        if per_rank is None:
+            optimizer.load_state_dict(state)
+            return
+        own = per_rank[self.topology.rank] if len(per_rank) == self.topology.world_size else per_rank[0]
+        optimizer.load_state_dict(own)
 
     def take_wire_stats(self) -> WireStats | None:
         return self._wire.take() if self._ddp is not None else None

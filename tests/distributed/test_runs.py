@@ -86,6 +86,20 @@ def test_stopped_run_resumes_bitwise_identical(clean_run: Path, tmp_path: Path) 
     assert [e["metrics"] for e in summary["validation_history"]] == [e["metrics"] for e in clean_history]
 
 
+def test_local_sgd_run_resumes_bitwise_identical_with_each_rank_s_own_momentum(tmp_path: Path) -> None:
+    """Between averaging rounds each rank's momentum is its own; a checkpoint keeps every rank's, so a stopped
+    local SGD run resumes where an uninterrupted one goes (with rank 0's momentum on every rank it would not)."""
+    local = ["--set", "distributed.strategy=local_sgd", "--set", "distributed.local_sgd.period=4",
+             "--set", "searcher.max_length={batches: 30}"]
+    whole = dtrain("run", CONFIG, *local, "--run-dir", tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr
+    stopped = dtrain("run", CONFIG, *local, "--set", "faults.stop_after_batch=20", "--run-dir", tmp_path / "resumed")
+    assert stopped.returncode == 3, stopped.stderr
+    resumed = dtrain("run", CONFIG, *local, "--run-dir", tmp_path / "resumed")
+    assert resumed.returncode == 0, resumed.stderr
+    assert final_model(tmp_path / "resumed") == final_model(tmp_path / "whole")
+
+
 def test_auto_tuned_fusion_run_resumes_bitwise_identical(tmp_path: Path) -> None:
     """A 2.4 MB model tunes between two bucket sizes in its first 41 batches; a run stopped after tuning
     resumes with the size it chose and ends bitwise where an uninterrupted auto-tuned run ends."""

@@ -85,7 +85,8 @@ def test_local_sgd_and_hierarchical_are_registered_with_their_extensions() -> No
     raw = copy.deepcopy(RAW)
     raw["distributed"] = {"strategy": "local_sgd"}
     local = build_strategy(load_config(None, raw=raw).config, ONE_PROCESS)
-    assert {kind for kind in EXTENSIONS if isinstance(local, kind)} == {Consolidating, WireMetering, ReportingMetrics}
+    assert {kind for kind in EXTENSIONS if isinstance(local, kind)} == {Consolidating, WireMetering, ReportingMetrics,
+                                                                       OwnsCheckpointState}
     raw["distributed"] = {"strategy": "hierarchical"}
     assert build_strategy(load_config(None, raw=raw).config, ONE_PROCESS).name == "hierarchical"
 
