@@ -159,6 +159,25 @@ def _describe_failure(exc: Exception, run_dir: Path) -> str:
             detail = ": " + text.strip().splitlines()[-1] if text.strip() else ""
         code = getattr(failure, "exitcode", None)
         signal = getattr(failure, "signal_name", lambda: "")()
-        how = f"killed by {signal}" if isinstance(code, int) and code < 0 and signal else f"exit code {code}"
-        parts.append(f"rank {rank} {how}{detail} (log: {run_dir / 'logs' / f'rank-{rank}.log'})")
+        killed = isinstance(code, int) and code < 0 and signal
+        how = f"killed by {signal}" if killed else f"exit code {code}"
+        log = run_dir / "logs" / f"rank-{rank}.log"
+        if killed and not detail:  # a native crash (SIGABRT, SIGSEGV) leaves its reason only in the rank's log
+            last = last_log_line(log)
+            detail = f" after: {last}" if last else ""
+        parts.append(f"rank {rank} {how}{detail} (log: {log})")
     return "; ".join(parts) or str(exc).strip().splitlines()[0]
+
+
+def last_log_line(log: Path, limit: int = 300) -> str:
+    """The last non-blank line of a rank's log, cut to `limit` characters ('' when there is none): what a
+    process that died by a signal printed last, e.g. C++'s `terminate called after throwing ...`."""
+    try:
+        with log.open("rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(handle.tell() - 8192, 0))
+            tail = handle.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    return lines[-1][:limit] if lines else ""

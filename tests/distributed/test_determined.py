@@ -57,7 +57,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, subp
 
 def _completed(runs: dict[str, tuple[Path, subprocess.CompletedProcess[str]]], name: str) -> dict[str, object]:
     run_dir, result = runs[name]
-    assert result.returncode == 0, f"{name}: {result.stderr[-2000:]}"
+    logs = "".join(f"\n--- {log.name}:\n{log.read_text(errors='replace')[-1500:]}"
+                   for log in sorted((run_dir / "logs").glob("rank-*.log")))
+    assert result.returncode == 0, f"{name}: {result.stderr[-2000:]}{logs}"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed", summary
     return summary
