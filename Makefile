@@ -37,7 +37,7 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest tests/unit -q
-	$(PY) -m pytest tests/distributed -q
+	$(PY) -m pytest tests/distributed -q --durations=12
 	$(PY) -m pytest tests/faults -q
 	$(PY) -m pytest tests/root -q -rs
 
@@ -45,7 +45,7 @@ test-unit: setup
 	$(PY) -m pytest tests/unit -q
 
 test-distributed: setup
-	$(PY) -m pytest tests/distributed -q
+	$(PY) -m pytest tests/distributed -q --durations=12
 
 test-faults: setup
 	$(PY) -m pytest tests/faults -q
