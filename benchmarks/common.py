@@ -23,7 +23,8 @@ def load_average() -> float:
 
 
 def git_commit(repo: Path = REPO) -> dict[str, Any]:
-    """The commit the benchmark measured and whether the tree had uncommitted changes (None outside git)."""
+    """The commit the benchmark measured and whether the tree had uncommitted changes (None outside git).
+    Result files (benchmarks/results/) do not count: benchmarks run one after another write them there."""
     def git(*args: str) -> str | None:
         try:
             return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
@@ -31,7 +32,7 @@ def git_commit(repo: Path = REPO) -> dict[str, Any]:
         except (OSError, subprocess.CalledProcessError):
             return None
 
-    status = git("status", "--porcelain", "--untracked-files=no")
+    status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
     return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
 
 

@@ -58,3 +58,27 @@ def test_every_result_records_its_commit_and_load(tmp_path: Path, monkeypatch: p
     assert isinstance(payload["dirty"], bool)
     for key in ("started", "ended", "load_average_start", "load_average_end"):
         assert key in payload
+
+
+def test_a_tree_is_dirty_for_changed_code_but_not_for_changed_result_files(tmp_path: Path) -> None:
+    """Benchmarks run one after another write benchmarks/results/; that must not mark the next one's tree dirty,
+    while any other uncommitted change must."""
+    import subprocess
+
+    common = _common()
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / "x.json").write_text("{}")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "empty")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "files")
+    assert common.git_commit(tmp_path)["dirty"] is False
+    (tmp_path / "benchmarks" / "results" / "x.json").write_text('{"k": 1}')
+    assert common.git_commit(tmp_path)["dirty"] is False
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert common.git_commit(tmp_path)["dirty"] is True
