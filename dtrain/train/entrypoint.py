@@ -65,8 +65,10 @@ def _import_file(path: Path, base_dir: Path, entrypoint: str) -> object:
 
 
 def _import_module(name: str, base_dir: Path, entrypoint: str) -> object:
-    if str(base_dir) not in sys.path:
-        sys.path.insert(0, str(base_dir))
+    if str(base_dir) in sys.path:
+        sys.path.remove(str(base_dir))
+    sys.path.insert(0, str(base_dir))
+    _forget_if_from_elsewhere(name.split(".")[0], base_dir)
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
@@ -76,3 +78,19 @@ def _import_module(name: str, base_dir: Path, entrypoint: str) -> object:
         raise TrialError(f"entrypoint {entrypoint!r}: importing `{name}` failed: {exc}") from exc
     except Exception as exc:
         raise TrialError(f"entrypoint {entrypoint!r}: importing `{name}` failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _forget_if_from_elsewhere(top: str, base_dir: Path) -> None:
+    """A process that loads two experiments (a plan or benchmark over several workloads) may meet two modules of
+    one name, each beside its own experiment file (`model_def`): when the one imported earlier is not the one in
+    `base_dir`, drop it (and its submodules) from the import cache so that `base_dir`'s is imported."""
+    loaded = sys.modules.get(top)
+    candidates = [base_dir / f"{top}.py", base_dir / top / "__init__.py"]
+    if loaded is None or not any(candidate.is_file() for candidate in candidates):
+        return
+    origin = getattr(loaded, "__file__", None)
+    if origin is not None and Path(origin).resolve() in {candidate.resolve() for candidate in candidates}:
+        return
+    for key in [key for key in sys.modules if key == top or key.startswith(f"{top}.")]:
+        del sys.modules[key]
+    importlib.invalidate_caches()

@@ -37,3 +37,23 @@ def test_entrypoint_errors(tmp_path: Path, entrypoint: str, message: str) -> Non
     (tmp_path / "broken.py").write_text("x = 1 / 0\n")
     with pytest.raises(TrialError, match=message):
         load_trial_class(entrypoint, tmp_path)
+
+
+def test_two_experiments_with_a_module_of_the_same_name_each_get_their_own(tmp_path: Path) -> None:
+    """One process loading two experiments whose model files share a name (`model_def`, as plan_validation does
+    with the synthetic MLP and the demo CNN) gets each experiment's own Trial, whichever it loaded first."""
+    import sys
+
+    for name, trial in (("first", "FirstTrial"), ("second", "SecondTrial")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "shared_name_model_def.py").write_text(
+            f"import dtrain\nclass {trial}(dtrain.Trial):\n    pass\n")
+    try:
+        assert load_trial_class("shared_name_model_def:FirstTrial", tmp_path / "first").__name__ == "FirstTrial"
+        assert load_trial_class("shared_name_model_def:SecondTrial", tmp_path / "second").__name__ == "SecondTrial"
+        assert load_trial_class("shared_name_model_def:FirstTrial", tmp_path / "first").__name__ == "FirstTrial"
+    finally:
+        sys.modules.pop("shared_name_model_def", None)
+        for name in ("first", "second"):
+            if str(tmp_path / name) in sys.path:
+                sys.path.remove(str(tmp_path / name))
