@@ -6,7 +6,8 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ErrorHandler, ProcessFailure
 
 from dtrain.launch import _describe_failure, last_log_line
 
@@ -41,3 +42,18 @@ def test_the_last_log_line_skips_blank_lines_and_is_cut_to_the_limit(tmp_path: P
     assert last_log_line(tmp_path / "missing.log") == ""
     log.write_bytes(b"y" * 20000 + b"\nlast \xff line\n")  # longer than the tail read, not UTF-8
     assert last_log_line(log) == "last \ufffd line"
+
+
+def test_a_rank_that_raised_is_named_with_its_own_error_not_its_log(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    run_dir = _run_dir(tmp_path, {0: "step 3\nsome unrelated last line\n"})
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    try:
+        raise RuntimeError("the worker's own error")
+    except RuntimeError as exc:
+        ErrorHandler().record_exception(exc)  # what @record does in the worker
+    failed = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))
+    message = _describe_failure(ChildFailedError("dtrain.worker", {0: failed}), run_dir)
+    assert message.startswith("rank 0 exit code 1: "), message
+    assert "the worker's own error" in message and "unrelated" not in message
