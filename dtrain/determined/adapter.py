@@ -17,6 +17,13 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from dtrain.determined.context import PyTorchTrialContext
+from dtrain.determined.eager import (
+    WrappedModels,
+    WrappedOptimizers,
+    WrappedSchedulers,
+    check_config_for_eager,
+    step_schedulers,
+)
 from dtrain.determined.pytorch import DataLoader, LRScheduler, PyTorchCallback
 from dtrain.errors import TrialError
 from dtrain.train.batches import batch_length
@@ -90,9 +97,14 @@ class DeterminedTrial(Trial):
         self.det_context = det_context
         self.det_trial = det_trial if det_trial is not None else self.pytorch_trial_class(det_context)
         trial_type = type(self.det_trial)
-        if _overrides(trial_type, "evaluate_full_dataset") and not _overrides(trial_type, "evaluate_batch"):
-            raise TrialError(f"{trial_type.__name__} implements evaluate_full_dataset, which dtrain does not run (it "
-                             "shards validation over the ranks); implement evaluate_batch(batch) instead")
+        self.full_dataset = _overrides(trial_type, "evaluate_full_dataset")
+        if self.full_dataset and _overrides(trial_type, "evaluate_batch"):
+            raise TrialError(f"{trial_type.__name__} implements both evaluate_batch and evaluate_full_dataset; "
+                             "implement only one (as Determined asks)")
+        self._validation_loader: Any = None
+        det_context._eager = self.eager = _needs_eager(det_context)
+        if self.eager:
+            check_config_for_eager(context.experiment_config, len(det_context.models), len(det_context.optimizers))
         self._evaluate_takes_index = _takes_batch_idx(self.det_trial.evaluate_batch)
         self._eval_index = 0
         callbacks = self.det_trial.build_callbacks() or {}
@@ -108,7 +120,15 @@ class DeterminedTrial(Trial):
         return _dataset(self.det_trial.build_training_data_loader(), "build_training_data_loader")
 
     def build_validation_data(self) -> Dataset:
-        return _dataset(self.det_trial.build_validation_data_loader(), "build_validation_data_loader")
+        """The validation loader's dataset, which dtrain shards over the ranks for evaluate_batch; for
+        evaluate_full_dataset one placeholder record instead, which validation hands to rank 0 only (the chief
+        then runs evaluate_full_dataset over the whole loader, as Determined does)."""
+        loader = self.det_trial.build_validation_data_loader()
+        dataset = _dataset(loader, "build_validation_data_loader")
+        if not self.full_dataset:
+            return dataset
+        self._validation_loader = loader
+        return _ChiefOnly()
 
     def build_model(self) -> nn.Module:
         name = type(self.det_trial).__name__
@@ -118,20 +138,26 @@ class DeterminedTrial(Trial):
         if not self.det_context.optimizers:
             raise TrialError(f"{name}.__init__ never called context.wrap_optimizer(optimizer); write "
                              "`self.opt = context.wrap_optimizer(torch.optim.SGD(self.model.parameters(), ...))`")
+        if self.eager:
+            return WrappedModels(self.det_context.models)
         return self.det_context.models[0]
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        optimizer = self.det_context.optimizers[0]
         ours = {id(p) for p in model.parameters()}
-        if any(id(p) not in ours for group in optimizer.param_groups for p in group["params"]):
-            raise TrialError("the optimizer given to context.wrap_optimizer() optimizes parameters that are not the "
-                             "wrapped model's; build it over the model context.wrap_model() returned")
-        return optimizer
+        for optimizer in self.det_context.optimizers:
+            if any(id(p) not in ours for group in optimizer.param_groups for p in group["params"]):
+                raise TrialError("an optimizer given to context.wrap_optimizer() optimizes parameters that are not "
+                                 "a wrapped model's; build it over the model context.wrap_model() returned")
+        if self.eager:
+            return WrappedOptimizers(self.det_context.optimizers)
+        return self.det_context.optimizers[0]
 
     def build_lr_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
         del optimizer
         if not self.det_context.lr_schedulers:
             return None
+        if self.eager:
+            return cast(torch.optim.lr_scheduler.LRScheduler, WrappedSchedulers(self.det_context.lr_schedulers))
         return cast(torch.optim.lr_scheduler.LRScheduler,
                     _SchedulerSteps(self.det_context.lr_schedulers[0], self.context))
 
@@ -151,12 +177,17 @@ class DeterminedTrial(Trial):
         if index % per_epoch == 0:
             for callback in self.callbacks:
                 callback.on_training_epoch_start(epoch)
-        self.det_context._start_batch(model, index)
+        frequency = max(self.context.aggregation_frequency, 1)
+        communicate = (index + 1) % frequency == 0 or index + 1 == self.context.total_batches
+        self.det_context._start_batch(model, index, communicate=communicate)
         try:
             returned = self.det_trial.train_batch(batch, epoch, index)
         finally:
             self.det_context._forward_target = None
         loss = self.det_context._end_batch()
+        if self.eager:
+            step_schedulers(self.det_context.lr_schedulers, index, aggregation_frequency=frequency,
+                            batches_per_epoch=per_epoch)
         if (index + 1) % per_epoch == 0:
             for callback in self.callbacks:
                 callback.on_training_epoch_end(epoch)
@@ -168,6 +199,11 @@ class DeterminedTrial(Trial):
             self._training, self._eval_index = False, 0
             for callback in self.callbacks:
                 callback.on_validation_start()
+        if self.full_dataset:  # rank 0, once per validation (the placeholder record); metrics as returned
+            loader = self._validation_loader
+            if isinstance(loader, DataLoader):
+                loader = loader.get_data_loader()
+            return _metrics(self.det_trial.evaluate_full_dataset(data_loader=loader), "evaluate_full_dataset")
         if self._evaluate_takes_index:
             returned = self.det_trial.evaluate_batch(batch, self._eval_index)
         else:
@@ -208,6 +244,20 @@ class _SchedulerSteps:
         self.wrapped.load_state_dict(state["scheduler"])
 
 
+class _ChiefOnly(Dataset):
+    """One placeholder record: the validation data of a trial that implements evaluate_full_dataset. dtrain's
+    validation shards it to rank 0 alone and weights its metrics by its one record, so they are the chief's
+    evaluate_full_dataset metrics exactly, on every rank."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index != 0:
+            raise IndexError(index)
+        return torch.zeros(1)
+
+
 class _Collated(Dataset):
     """A dataset whose batches go through the trial's `collate_fn` (dtrain asks it for whole batches)."""
 
@@ -241,6 +291,14 @@ def _metrics(returned: Any, method: str) -> dict[str, Any]:
     if isinstance(returned, Mapping):
         return dict(returned)
     raise TrialError(f"{method}() returned {type(returned).__name__}; return a dict of metrics (or the loss tensor)")
+
+
+def _needs_eager(context: PyTorchTrialContext) -> bool:
+    """True when the trial steps its models itself: several models, optimizers or schedulers, or an optimizer whose
+    `average_aggregated_gradients` differs from the config's."""
+    configured = context._config.optimizations.average_aggregated_gradients
+    return (len(context.models) > 1 or len(context.optimizers) > 1 or len(context.lr_schedulers) > 1
+            or any(average != configured for average in context._averages))
 
 
 def _overrides(cls: type, name: str) -> bool:

@@ -46,6 +46,10 @@ class PyTorchTrialContext:
         self._loss: torch.Tensor | None = None
         self._stepped: list[torch.optim.Optimizer] = []
         self._clip: Callable[[Iterator[nn.Parameter]], None] | None = None
+        self._averages: list[bool] = []  # per optimizer, in wrap order
+        self._eager = False  # the trial steps its models itself (several models or optimizers; eager.py)
+        self._communicate = True  # eager: the current batch ends an update
+        self._report_loss: torch.Tensor | None = None
         self._batch_idx = 0
         self._stop_requested = False
         self._tensorboard: Any = None
@@ -151,13 +155,13 @@ class PyTorchTrialContext:
     # ------------------------------------------------------------------------------------- wrapping
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        """Register the model; it is returned as is (moved to the device), and while train_batch runs a call to it
-        goes through the strategy's wrapper, which synchronizes the gradients."""
+        """Register a model; it is returned as is (moved to the device). With one model, a call to it while
+        train_batch runs goes through the strategy's wrapper, which synchronizes the gradients; with several
+        (a GAN) the trial's steps synchronize them (eager.py)."""
         if not isinstance(model, nn.Module):
             raise TrialError(f"wrap_model() got {type(model).__name__}; give it a torch.nn.Module")
-        if self.models:
-            raise TrialError("wrap_model() was called twice: dtrain trains one model per PyTorchTrial (several "
-                             "wrapped models, e.g. a GAN, are not built); put the modules in one nn.Module")
+        if any(model is wrapped for wrapped in self.models):
+            raise TrialError("wrap_model() got the same model twice; wrap each model once")
         model = model.to(self._ctx.device)
         _route_calls(model, self)
         self.models.append(model)
@@ -166,24 +170,21 @@ class PyTorchTrialContext:
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, backward_passes_per_step: int = 1,
                        fp16_compression: bool | None = None,
                        average_aggregated_gradients: bool | None = None) -> torch.optim.Optimizer:
-        """Register the optimizer dtrain steps. Aggregation comes from the config's `optimizations` section
-        (`aggregation_frequency`, `average_aggregated_gradients`), as in Determined; a different
-        `backward_passes_per_step` here is refused with one line."""
+        """Register an optimizer. Aggregation comes from the config's `optimizations` section
+        (`aggregation_frequency`, `average_aggregated_gradients`), as in Determined; `average_aggregated_gradients`
+        given here holds for this optimizer (a trial that sets one differing from the config's steps its
+        optimizers itself, eager.py); a different `backward_passes_per_step` is refused with one line."""
         del fp16_compression
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TrialError(f"wrap_optimizer() got {type(optimizer).__name__}; give it a torch.optim.Optimizer")
-        if self.optimizers:
-            raise TrialError("wrap_optimizer() was called twice: dtrain steps one optimizer per PyTorchTrial; use "
-                             "one optimizer with several param groups")
+        if any(optimizer is wrapped for wrapped in self.optimizers):
+            raise TrialError("wrap_optimizer() got the same optimizer twice; wrap each optimizer once")
         configured = self._config.optimizations.aggregation_frequency
         if backward_passes_per_step not in (1, configured):
             raise TrialError(f"wrap_optimizer(backward_passes_per_step={backward_passes_per_step}) differs from "
                              f"optimizations.aggregation_frequency ({configured}); set the config key instead")
         average = self._config.optimizations.average_aggregated_gradients
-        if average_aggregated_gradients is not None and average_aggregated_gradients != average:
-            raise TrialError(f"wrap_optimizer(average_aggregated_gradients={average_aggregated_gradients}) differs "
-                             f"from optimizations.average_aggregated_gradients ({average}); set the config key "
-                             "instead")
+        self._averages.append(average if average_aggregated_gradients is None else bool(average_aggregated_gradients))
         optimizer.register_step_pre_hook(self._before_optimizer_step)
         if self._scaler is not None:
             optimizer.register_step_post_hook(self._after_optimizer_step)
@@ -194,8 +195,6 @@ class PyTorchTrialContext:
                           step_mode: LRScheduler.StepMode, frequency: int = 1) -> LRScheduler:
         """Register the scheduler; dtrain steps it (per batch, per optimizer step or per epoch, every `frequency`)
         and keeps its state in checkpoints; with MANUAL_STEP the trial steps it and dtrain only checkpoints it."""
-        if self.lr_schedulers:
-            raise TrialError("wrap_lr_scheduler() was called twice: dtrain keeps one LR scheduler per PyTorchTrial")
         if not isinstance(step_mode, LRScheduler.StepMode):
             raise TrialError(f"wrap_lr_scheduler(step_mode={step_mode!r}): give a LRScheduler.StepMode")
         wrapped = LRScheduler(lr_scheduler, step_mode, frequency)
@@ -227,53 +226,100 @@ class PyTorchTrialContext:
 
     # ------------------------------------------------------------------------- backward and the step
 
-    def backward(self, loss: torch.Tensor, gradient: torch.Tensor | None = None, retain_graph: bool | None = None,
+    def backward(self, loss: torch.Tensor, gradient: torch.Tensor | None = None, retain_graph: bool = False,
                  create_graph: bool = False) -> None:
-        """Record the loss; dtrain runs backward on it right after train_batch returns (scaled for gradient
-        aggregation). Several calls in one train_batch add up, as their gradients would."""
-        del retain_graph
+        """One model and optimizer: record the loss; dtrain runs backward on it right after train_batch returns
+        (scaled for gradient aggregation); several calls add up. Several models or optimizers: backward now, as
+        in Determined (eager.py)."""
+        if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+            raise TrialError("context.backward(loss): the loss must be a tensor that requires grad (computed from "
+                             "the wrapped model's output)")
+        if self._eager:
+            share = self._ctx.world_size * self._ctx.per_slot_batch_size / max(self._ctx.global_batch_size, 1)
+            scaled = loss if share == 1.0 else loss * share
+            scaled.backward(gradient=gradient, retain_graph=retain_graph, create_graph=create_graph)
+            value = loss.detach().sum() if loss.numel() != 1 else loss.detach().reshape(())
+            self._report_loss = value if self._report_loss is None else self._report_loss + value
+            self._loss = self._loss if self._loss is not None else loss
+            return
         if gradient is not None or create_graph:
-            raise TrialError("context.backward(gradient=..., create_graph=True) is not supported by dtrain; call "
-                             "context.backward(loss) with a scalar loss")
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise TrialError("context.backward(gradient=..., create_graph=True) is not supported by dtrain for a "
+                             "trial with one model and one optimizer; call context.backward(loss) with a scalar loss")
+        if loss.numel() != 1:
             raise TrialError("context.backward(loss): the loss must be a scalar tensor that requires grad")
         self._loss = loss if self._loss is None else self._loss + loss
 
     def step_optimizer(self, optimizer: torch.optim.Optimizer,
                        clip_grads: Callable[[Iterator[nn.Parameter]], None] | None = None,
                        auto_zero_grads: bool = True, scaler: Any = None) -> None:
-        """Record the step: dtrain steps the optimizer after the update's last batch (every
-        `aggregation_frequency` batches), applies `clip_grads` to the synchronized gradients first, and zeroes
-        the gradients after it."""
-        del auto_zero_grads, scaler
-        if not any(optimizer is wrapped for wrapped in self.optimizers):
+        """One model and optimizer: record the step; dtrain steps the optimizer after the update's last batch
+        (every `aggregation_frequency` batches), applies `clip_grads` to the synchronized gradients first, and
+        zeroes the gradients after it. Several: step now on the batch that ends an update (eager.py)."""
+        index = next((i for i, wrapped in enumerate(self.optimizers) if optimizer is wrapped), None)
+        if index is None:
             raise TrialError(f"context.step_optimizer() got a {type(optimizer).__name__} that "
                              "context.wrap_optimizer() did not return; in __init__ write "
                              "`self.opt = context.wrap_optimizer(opt)` and step `self.opt`")
+        if not auto_zero_grads and self._config.optimizations.aggregation_frequency > 1:
+            raise TrialError("step_optimizer(auto_zero_grads=False) with optimizations.aggregation_frequency > 1: "
+                             "dtrain (as Determined) zeroes the gradients after each aggregated update; drop "
+                             "auto_zero_grads=False")
         self._stepped.append(optimizer)
-        self._clip = clip_grads
+        if not self._eager:
+            self._clip = clip_grads
+            return
+        if not self._communicate:
+            return  # gradients keep accumulating until the update's last batch
+        from dtrain.determined.eager import average_gradients
+
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        average_gradients(parameters, self._ctx.world_size)
+        frequency = self._ctx.aggregation_frequency
+        if self._averages[index] and frequency > 1:
+            for p in parameters:
+                if p.grad is not None:
+                    p.grad.div_(frequency)
+        scaler = scaler if scaler is not None else self._scaler
+        if scaler is not None and scaler.is_enabled():
+            scaler.unscale_(optimizer)
+        if clip_grads is not None:
+            clip_grads(iter(parameters))
+        if scaler is not None and scaler.is_enabled():
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        if auto_zero_grads:
+            optimizer.zero_grad()
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """The optimizer's step pre-hook: unscale (a GradScaler's), then the trial's clip_grads, on the
-        synchronized gradients."""
+        """The optimizer's step pre-hook (one model and optimizer): unscale (a GradScaler's), then the trial's
+        clip_grads, on the synchronized gradients."""
         del args, kwargs
+        if self._eager:
+            return
         if self._scaler is not None and self._scaler.is_enabled():
             self._scaler.unscale_(optimizer)
         if self._clip is not None:
             self._clip(iter(p for group in optimizer.param_groups for p in group["params"]))
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """The optimizer's step post-hook: the GradScaler's scale update."""
+        """The optimizer's step post-hook (one model and optimizer): the GradScaler's scale update."""
         del optimizer, args, kwargs
-        if self._scaler is not None and self._scaler.is_enabled():
+        if not self._eager and self._scaler is not None and self._scaler.is_enabled():
             self._scaler.update()
 
-    def _start_batch(self, target: nn.Module, batch_idx: int) -> None:
-        self._forward_target, self._batch_idx = target, batch_idx
-        self._loss, self._stepped = None, []
+    def _start_batch(self, target: nn.Module, batch_idx: int, *, communicate: bool = True) -> None:
+        """Before train_batch `batch_idx`: calls to the model go through `target` (one model), or, eager, the
+        steps happen when `communicate` (the batch ends an update)."""
+        self._forward_target = None if self._eager else target
+        self._batch_idx, self._communicate = batch_idx, communicate
+        self._loss, self._report_loss, self._stepped = None, None, []
 
     def _end_batch(self) -> torch.Tensor:
-        """The loss train_batch gave to backward; TrialError when it gave none or stepped no optimizer."""
+        """The loss dtrain runs backward on (eager: a zero-gradient tensor whose value is the sum of the losses
+        given to backward, for the training report); TrialError when train_batch gave no loss or stepped no
+        optimizer."""
         self._forward_target = None
         loss, self._loss = self._loss, None
         if loss is None:
@@ -282,6 +328,11 @@ class PyTorchTrialContext:
         if not self._stepped:
             raise TrialError("train_batch() called context.backward(loss) but not context.step_optimizer(optimizer)"
                              "; call it after backward with the optimizer wrap_optimizer() returned")
+        if self._eager:
+            assert self._report_loss is not None
+            anchor = torch.zeros((), dtype=self._report_loss.dtype, device=self._report_loss.device,
+                                 requires_grad=True)
+            return self._report_loss + anchor * 0
         return loss
 
 

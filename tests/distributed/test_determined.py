@@ -1,9 +1,13 @@
 """Trials written in Determined's three styles (tests/determined_trials/) run unchanged with `dtrain run` on 1 and 2
 slots: the legacy PyTorchTrial (also with a worker SIGKILLed and restarted) and the Trainer-API script end within
-1e-9 (float64) of the same model written as a native dtrain Trial on 1 slot; the Core API script on 2 slots and on
+1e-9 (float64) of the same model written as a native dtrain Trial on 1 slot; a PyTorchTrial with two models and two
+optimizers (gan_def.py) on 2 slots with gradient aggregation ends within 1e-9 of a plain torch loop in one process
+(gan_reference.py); the Core API script on 2 slots and on
 1 slot, killed with SIGKILL mid-run and resumed from `latest_checkpoint` by the restart, end at the same weights; a
 script that uses no Determined API runs on every slot. The runs start five at a time, side by side (the machine's
-cores are mostly idle while each imports torch), and each test reads the runs it needs."""
+cores are mostly idle while each imports torch), and each test reads the runs it needs. The legacy PyTorchTrial on
+1 slot runs in process only (tests/unit/test_determined_api.py: bitwise equal to the native Trial through the same
+Trainer); its slot here went to the two-model trial."""
 
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "core-1-killed": ("core.yaml", ["--set", "resources.slots_per_trial=1", "--set", "max_restarts=1",
                                     "--set", "entrypoint=python3 core_train.py --kill-at 6"]),
     "native-1": ("native.yaml", ["--set", "resources.slots_per_trial=1"]),
-    "legacy-1": ("const.yaml", ["--set", "resources.slots_per_trial=1"]),
+    "gan-2": ("gan.yaml", []),
     "legacy-2": ("const.yaml", []),
     "trainer-1": ("trainer.yaml", ["--set", "resources.slots_per_trial=1"]),
     "trainer-2": ("trainer.yaml", []),
@@ -87,7 +91,7 @@ def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> f
     return max(float((a[key] - b[key]).abs().max()) for key in a)
 
 
-@pytest.mark.parametrize("name", ["legacy-1", "legacy-2", "legacy-2-killed", "trainer-1", "trainer-2"])
+@pytest.mark.parametrize("name", ["legacy-2", "legacy-2-killed", "trainer-1", "trainer-2"])
 def test_pytorch_trial_and_trainer_api_match_the_native_trial(
         runs: dict[str, tuple[Path, subprocess.CompletedProcess[str]]], name: str) -> None:
     native = _trainer_weights(runs, "native-1")
@@ -162,3 +166,51 @@ def test_adaptive_asha_stops_trainer_api_trials_exactly_where_the_searcher_says(
             assert t.state == optuna.trial.TrialState.COMPLETE, t.number
             assert summary["status"] == "completed" and summary["steps_completed"] == 4, summary
     assert any(t.state == optuna.trial.TrialState.PRUNED for t in trials)
+
+
+def test_two_models_and_optimizers_on_two_slots_match_a_one_process_loop(
+        runs: dict[str, tuple[Path, subprocess.CompletedProcess[str]]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """gan_def.AdversarialTrial on 2 slots (aggregation 2, clipped generator steps, two schedulers): its checkpoint
+    holds both models and both optimizers and ends within 1e-9 of gan_reference's plain loop over the same global
+    batches from the same initial weights (both recorded from the trial run in this process on one slot)."""
+    from dtrain.comm import Topology
+    from dtrain.config import load_config
+    from dtrain.determined import install_import_path
+    from dtrain.runs.rundir import load_run_info, prepare_run_dir
+    from dtrain.train.trainer import Trainer
+
+    install_import_path()
+    monkeypatch.syspath_prepend(str(TRIALS))
+    for module in ("gan_def", "gan_reference", "data"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    from gan_def import AdversarialTrial
+    from gan_reference import train_reference
+
+    batches: list[tuple[torch.Tensor, ...]] = []
+    initial: dict[str, torch.Tensor] = {}
+
+    class Recording(AdversarialTrial):  # type: ignore[misc]
+        def __init__(self, context: object) -> None:
+            super().__init__(context)
+            initial.update({f"model_0.{k}": v.clone() for k, v in self.generator.state_dict().items()})
+            initial.update({f"model_1.{k}": v.clone() for k, v in self.critic.state_dict().items()})
+
+        def train_batch(self, batch: tuple[torch.Tensor, ...], epoch_idx: int, batch_idx: int) -> dict[str, object]:
+            batches.append(tuple(t.clone() for t in batch))
+            return super().train_batch(batch, epoch_idx, batch_idx)
+
+    config = load_config(TRIALS / "gan.yaml").config
+    prepare_run_dir(config, tmp_path / "recorded", TRIALS)
+    one = Topology(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, backend="gloo",
+                   device=torch.device("cpu"), launcher="none")
+    Trainer(config=config, trial_class=Recording.__dtrain_trial__(), topology=one,
+            run_info=load_run_info(tmp_path / "recorded")).fit()
+    expected = train_reference(initial, batches, learning_rate=0.05, aggregation_frequency=2)
+    trained = _trainer_weights(runs, "gan-2")
+    assert {key.split(".")[0] for key in trained} == {"model_0", "model_1"}
+    assert _max_difference(trained, expected) <= TOLERANCE
+    assert _max_difference(trained, initial) > 1e-3
+    summary = _completed(runs, "gan-2")
+    state = torch.load(Path(str(summary["checkpoint"])).parent / "state.pt", weights_only=False)
+    assert len(state["optimizer"]["optimizers"]) == 2 and len(state["scheduler"]["schedulers"]) == 2

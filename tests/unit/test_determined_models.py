@@ -1,0 +1,128 @@
+"""A PyTorchTrial with several models and optimizers (tests/determined_trials/gan_def.py), in one process: it trains
+like a plain torch loop written with Determined's semantics (gan_reference.py) with and without gradient
+aggregation and averaging, its checkpoints hold every model, optimizer and scheduler, a run resumed from one ends
+where an uninterrupted run does, and settings that need dtrain to own the step are one line."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dtrain.comm import Topology
+from dtrain.config import load_config
+from dtrain.determined import install_import_path
+from dtrain.errors import ConfigError
+from dtrain.runs.rundir import load_run_info, prepare_run_dir
+from dtrain.train.checkpoint import find_resume_checkpoint, load_checkpoint
+from dtrain.train.trainer import Trainer
+
+TRIALS = Path(__file__).resolve().parents[1] / "determined_trials"
+ONE_PROCESS = Topology(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, backend="gloo",
+                       device=torch.device("cpu"), launcher="none")
+RAW: dict[str, Any] = {
+    "name": "det-gan", "entrypoint": "gan_def:AdversarialTrial",
+    "hyperparameters": {"global_batch_size": 32, "learning_rate": 0.05},
+    "searcher": {"name": "single", "metric": "validation_loss", "max_length": {"batches": 8}},
+    "min_validation_period": {"batches": 4}, "min_checkpoint_period": {"batches": 4}, "scheduling_unit": 2,
+}
+
+
+@pytest.fixture(autouse=True)
+def _trials_on_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    install_import_path()
+    monkeypatch.syspath_prepend(str(TRIALS))
+    for name in ("gan_def", "gan_reference", "data"):  # Determined's module names: other tests import their own
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _recording_trial() -> tuple[type, list[Any], dict[str, torch.Tensor]]:
+    """The GAN trial's adapter, recording the initial weights and every batch it trains on."""
+    from gan_def import AdversarialTrial
+
+    batches: list[Any] = []
+    initial: dict[str, torch.Tensor] = {}
+
+    class Recording(AdversarialTrial):
+        def __init__(self, context: Any) -> None:
+            super().__init__(context)
+            initial.update({f"model_0.{k}": v.clone() for k, v in self.generator.state_dict().items()})
+            initial.update({f"model_1.{k}": v.clone() for k, v in self.critic.state_dict().items()})
+
+        def train_batch(self, batch: Any, epoch_idx: int, batch_idx: int) -> dict[str, Any]:
+            batches.append(tuple(t.clone() for t in batch))
+            return super().train_batch(batch, epoch_idx, batch_idx)
+
+    return Recording.__dtrain_trial__(), batches, initial
+
+
+def _train(run_dir: Path, trial_class: type, **changes: Any) -> tuple[Trainer, dict[str, Any]]:
+    raw = copy.deepcopy(RAW)
+    raw.update(changes)
+    config = load_config(None, raw=raw).config
+    prepare_run_dir(config, run_dir, TRIALS)
+    trainer = Trainer(config=config, trial_class=trial_class, topology=ONE_PROCESS, run_info=load_run_info(run_dir))
+    return trainer, trainer.fit()
+
+
+def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b) and all(t.dtype == torch.float64 for t in a.values())
+    return max(float((a[key] - b[key]).abs().max()) for key in a)
+
+
+@pytest.mark.parametrize("aggregation,average", [(1, True), (2, True), (2, False)])
+def test_two_models_and_optimizers_train_like_determined_s_loop(tmp_path: Path, aggregation: int,
+                                                                average: bool) -> None:
+    from gan_reference import train_reference
+
+    trial_class, batches, initial = _recording_trial()
+    trainer, summary = _train(tmp_path / "run", trial_class, optimizations={
+        "aggregation_frequency": aggregation, "average_aggregated_gradients": average})
+    assert summary["status"] == "completed" and summary["steps_completed"] == 8 and len(batches) == 8
+    trained = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    expected = train_reference(initial, batches, learning_rate=0.05, aggregation_frequency=aggregation,
+                               average=average)
+    assert _max_difference(trained, expected) <= 1e-12
+    assert _max_difference(trained, initial) > 1e-3  # it trained: the comparison can fail
+    metrics = trainer.state.validation_history[-1]["metrics"]
+    assert set(metrics) == {"validation_loss"}
+
+
+def test_checkpoints_hold_every_model_optimizer_and_scheduler_and_resume_exactly(tmp_path: Path) -> None:
+    from gan_def import AdversarialTrial
+
+    trial_class = AdversarialTrial.__dtrain_trial__()
+    whole, _ = _train(tmp_path / "whole", trial_class)
+    _train(tmp_path / "resumed", trial_class, faults={"stop_after_batch": 4})
+    ref = find_resume_checkpoint(tmp_path / "resumed" / "checkpoints")
+    assert ref is not None and ref.step == 4
+    model_state, state = load_checkpoint(ref)
+    assert {key.split(".")[0] for key in model_state} == {"model_0", "model_1"}
+    optimizers = state["optimizer"]["optimizers"]
+    assert [len(o["param_groups"]) for o in optimizers] == [1, 1] and "exp_avg" in optimizers[1]["state"][0]
+    assert [s["last_epoch"] for s in state["scheduler"]["schedulers"]] == [4, 4]
+    resumed, summary = _train(tmp_path / "resumed", trial_class)
+    assert summary["status"] == "completed" and summary["resumes"] == 1
+    assert _max_difference(resumed.model.state_dict(), whole.model.state_dict()) == 0.0
+
+
+@pytest.mark.parametrize("changes,named", [
+    ({"distributed": {"strategy": "local_sgd"}}, "distributed.strategy local_sgd"),
+    ({"large_batch": {"optimizer": "lars", "base_lr": 0.05}}, "large_batch"),
+])
+def test_settings_that_need_dtrain_to_own_the_step_are_one_line(tmp_path: Path, changes: dict[str, Any],
+                                                                named: str) -> None:
+    from gan_def import AdversarialTrial
+
+    with pytest.raises(ConfigError, match=named) as caught:
+        _train(tmp_path / "run", AdversarialTrial.__dtrain_trial__(), **changes)
+    assert "\n" not in str(caught.value) and "2 model(s) and 2 optimizer(s)" in str(caught.value)
