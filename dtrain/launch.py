@@ -1,10 +1,10 @@
 """Start the workers of a run through torchrun's elastic agent (torch.distributed.launcher), on one node or many.
 
 On one machine the rendezvous runs on 127.0.0.1 with a free port. Across machines every node runs
-`dtrain run` with `--nnodes`, its `--node-rank` and the chief's `--master-addr/--master-port` (static
-rendezvous), or with a shared `--rdzv-endpoint` (c10d rendezvous, no node ranks needed). The agent
-restarts all workers of a node up to `max_restarts` times after a failure; they resume from the latest
-checkpoint.
+`dtrain run` with `--nnodes`, its `--node-rank` and the chief's `--master-addr/--master-port`, or with a
+shared `--rdzv-endpoint` (no node ranks needed); both use torch's c10d rendezvous (`dtrain.comm.rendezvous`).
+After a failure on any node every node's agent restarts its workers together, up to `max_restarts` times;
+they resume from the latest checkpoint.
 """
 
 from __future__ import annotations
@@ -84,21 +84,22 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
     nproc = world // node.nnodes
     local = node.nnodes == 1 and node.rdzv_endpoint is None
     keep_alive: list[object] = []
+    local_addr: str | None = "127.0.0.1"
     if local:
         endpoint = _loopback_rendezvous(node.master_port, keep_alive)
         backend, rdzv_configs = "c10d", dict[str, object](is_host=True)
-        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # workers host their own store, on loopback
-    elif node.rdzv_endpoint is not None:
-        backend, endpoint, rdzv_configs = "c10d", node.rdzv_endpoint, {}
     else:
-        backend, endpoint, rdzv_configs = "static", f"{node.master_addr}:{node.master_port}", {"rank": node.node_rank}
+        backend, endpoint, rdzv_configs, local_addr = _cluster_rendezvous(node)
+    # Every round's workers host a store of their own (on loopback for one node): the agent's shared store would
+    # keep an earlier attempt's keys (pytorch/pytorch#135712; docs/clusters.md, "Restarts across nodes").
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     run_id = node.rdzv_id or (uuid.uuid4().hex if local else f"dtrain-{config.name}")
     _worker_environment(nproc, node.network_interface)
     (run_dir / FATAL_FILE).unlink(missing_ok=True)
     launch_config = LaunchConfig(
         min_nodes=node.nnodes, max_nodes=node.nnodes, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs, max_restarts=config.max_restarts,
-        monitor_interval=0.2, local_addr="127.0.0.1" if local else None,
+        monitor_interval=0.2, local_addr=local_addr,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "agent")))
     _quiet_torch_elastic_loggers()
     args = ("-u", "-m", "dtrain.worker", "--run-dir", str(run_dir))
@@ -120,6 +121,26 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
                                 str(fatal["message"]))
         return LaunchResult(ExitCode.FAILED, _describe_failure(exc, run_dir))
     return LaunchResult(ExitCode.OK)
+
+
+def _cluster_rendezvous(node: NodeSpec) -> tuple[str, str, dict[str, object], str | None]:
+    """Backend, endpoint, configs and this node's address for a job on several nodes.
+
+    With --master-addr/--master-port: torch's c10d rendezvous, hosted by node 0's agent at that address, through
+    `dtrain.comm.rendezvous` so that --node-rank stays the node's rank; a failure on any node makes every node's
+    agent restart its workers into the same round. With --rdzv-endpoint: plain c10d (the rendezvous numbers the
+    nodes), hosted by the node that owns the endpoint's address."""
+    from dtrain.comm.rendezvous import NODE_RANK_KEY, local_address, register
+    from dtrain.comm.topology import interface_addresses
+
+    addresses = interface_addresses()
+    chosen = addresses.get(node.network_interface) if node.network_interface else None
+    if node.rdzv_endpoint is not None:
+        host = node.rdzv_endpoint.rsplit(":", 1)[0]
+        configs: dict[str, object] = {"is_host": True} if host in addresses.values() else {}
+        return "c10d", node.rdzv_endpoint, configs, local_address(host, chosen)
+    configs = {"is_host": node.node_rank == 0, NODE_RANK_KEY: node.node_rank}
+    return register(), f"{node.master_addr}:{node.master_port}", configs, local_address(node.master_addr, chosen)
 
 
 def _quiet_torch_elastic_loggers() -> None:

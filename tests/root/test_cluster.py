@@ -1,11 +1,11 @@
 """The two-node cluster emulated on one machine (benchmarks/cluster.py; needs root, `ip` and `tc`, skipped with the
 reason otherwise): 2 network namespaces x 2 workers, joined by a veth link capped at 200 Mbit/s. A run whose worker
-on the second node is killed restarts from its checkpoint and ends bitwise identical to an uninterrupted run; a
-node given an interface that cannot reach the master fails with one line naming both."""
+on the second node is killed restarts on both nodes together (the c10d rendezvous of dtrain.comm.rendezvous) from
+its checkpoint and ends bitwise identical to an uninterrupted run; a node given an interface that cannot reach the
+master fails with one line naming both."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,10 +37,6 @@ def run_job(cluster: Cluster, run_dir: Path, port: int, *extra: str) -> list[str
     return outputs
 
 
-@pytest.mark.skipif(os.environ.get("DTRAIN_CLUSTER_RESTART_TEST") != "1",
-                    reason="flaky: with static rendezvous each node's agent counts its own restarts, and after a kill "
-                           "the nodes' workers failed to reconnect in 2 of 3 runs under load (passed once); set "
-                           "DTRAIN_CLUSTER_RESTART_TEST=1 to run it (docs/clusters.md)")
 def test_a_killed_worker_restarts_and_the_run_ends_bitwise_identical(tmp_path: Path) -> None:
     try:
         with emulated_cluster(nodes=2, rate="200mbit") as cluster:
@@ -48,7 +44,9 @@ def test_a_killed_worker_restarts_and_the_run_ends_bitwise_identical(tmp_path: P
             outputs = run_job(cluster, tmp_path / "killed", 29412, "--set", "faults.kills=[{rank: 3, batch: 5}]")
     except ClusterUnavailable as exc:  # root, but namespaces are forbidden here (e.g. in a container)
         pytest.skip(str(exc))
-    assert "resuming at batch 3" in outputs[0]  # rank 3 (node 1) died at batch 5; both nodes restarted
+    kills = (tmp_path / "killed" / "node1" / "logs" / "faults.jsonl").read_text()
+    assert '"rank": 3' in kills and '"batch": 5' in kills  # rank 3, on node 1, did die
+    assert "resuming at batch 3" in outputs[0]  # ... and both nodes restarted from the checkpoint at batch 3
     whole = torch.load(tmp_path / "whole" / "node0" / "checkpoints" / "step-8" / "model.pt", weights_only=True)
     killed = torch.load(tmp_path / "killed" / "node0" / "checkpoints" / "step-8" / "model.pt", weights_only=True)
     assert whole.keys() == killed.keys()
