@@ -14,9 +14,10 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -66,6 +67,17 @@ def default_store() -> dist.Store | None:
             "tested with")
     store: dist.Store = getter()
     return store
+
+
+def store_attempt(restart_count: int, environ: Mapping[str, str] | None = None) -> int:
+    """The attempt number that separates the heartbeat keys of one attempt from another's.
+
+    torch's agent store (TORCHELASTIC_USE_AGENT_STORE=True, under plain torchrun) outlives restarts and keeps the
+    keys of earlier attempts, so they carry the agent's restart count. A store the workers host themselves (what
+    `dtrain run` starts) is new in every round, and on several nodes the agents count restarts differently (a node
+    whose own workers did not fail restarts them without counting), so there every rank uses 0."""
+    env = os.environ if environ is None else environ
+    return restart_count if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
 
 
 def set_collective_timeout(seconds: float) -> None:

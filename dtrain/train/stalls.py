@@ -7,7 +7,7 @@ import threading
 
 from dtrain.comm import Topology
 from dtrain.comm.failures import Failure, classify_failure
-from dtrain.comm.stall import StallMonitor, default_store, set_collective_timeout
+from dtrain.comm.stall import StallMonitor, default_store, set_collective_timeout, store_attempt
 from dtrain.config import Distributed
 from dtrain.errors import StallError
 from dtrain.profile.timers import StepTimer
@@ -26,7 +26,7 @@ class StallWatch:
 
         self.monitor = None if store is None else StallMonitor(
             store=store, rank=topology.rank, world_size=topology.world_size, activity=activity,
-            warn_after=settings.stall_warning_seconds, attempt=topology.restart_count)
+            warn_after=settings.stall_warning_seconds, attempt=store_attempt(topology.restart_count))
         self.abort = self.monitor.abort if self.monitor is not None else threading.Event()
 
     def start(self) -> None:
