@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, ClassVar, cast
 
 import torch
@@ -27,6 +28,7 @@ from dtrain.determined.eager import (
 from dtrain.determined.pytorch import DataLoader, LRScheduler, PyTorchCallback
 from dtrain.errors import TrialError
 from dtrain.train.batches import batch_length
+from dtrain.train.checkpoint import checkpoint_name
 from dtrain.train.trial import Trial, TrialContext
 
 
@@ -110,9 +112,11 @@ class DeterminedTrial(Trial):
         callbacks = self.det_trial.build_callbacks() or {}
         if not isinstance(callbacks, Mapping):
             raise TrialError("build_callbacks() must return a dict {name: PyTorchCallback}")
-        self.callbacks: list[PyTorchCallback] = list(callbacks.values())
-        self._started = False
-        self._training = True
+        self.callbacks: dict[str, PyTorchCallback] = {str(name): cb for name, cb in callbacks.items()}
+        self._started = False  # training started in this process
+        self._startup_done = False  # on_trial_startup called
+        self._resumed = False  # a checkpoint was loaded
+        self._batch_metrics: list[dict[str, Any]] = []  # this slot's, since the last training report
 
     # ------------------------------------------------------------------------------- build
 
@@ -167,16 +171,15 @@ class DeterminedTrial(Trial):
         """The PyTorchTrial's train_batch, calls to its model going through `model` (the strategy's wrapper);
         returns its metrics with `loss` the loss it gave to context.backward."""
         index = self.context.batches_trained
-        self._training = True
+        self._startup(index)
         if not self._started:
             self._started = True
-            for callback in self.callbacks:
-                callback.on_training_start()
+            self.det_context.reset_reducers()
+            self._call("on_training_start")
         per_epoch = max(int(self.context.batches_per_epoch or 1), 1)
         epoch = index // per_epoch
         if index % per_epoch == 0:
-            for callback in self.callbacks:
-                callback.on_training_epoch_start(epoch)
+            self._call("on_training_epoch_start", epoch)
         frequency = max(self.context.aggregation_frequency, 1)
         communicate = (index + 1) % frequency == 0 or index + 1 == self.context.total_batches
         self.det_context._start_batch(model, index, communicate=communicate)
@@ -189,16 +192,14 @@ class DeterminedTrial(Trial):
             step_schedulers(self.det_context.lr_schedulers, index, aggregation_frequency=frequency,
                             batches_per_epoch=per_epoch)
         if (index + 1) % per_epoch == 0:
-            for callback in self.callbacks:
-                callback.on_training_epoch_end(epoch)
-        return {**_metrics(returned, "train_batch"), "loss": loss}
+            self._call("on_training_epoch_end", epoch)
+        metrics = {**_metrics(returned, "train_batch"), "loss": loss}
+        if self.callbacks:
+            self._batch_metrics.append({name: _plain(value) for name, value in metrics.items()})
+        return metrics
 
     def evaluate_batch(self, batch: Any, model: nn.Module) -> dict[str, Any]:
-        del model  # the wrapped model is the user's own module, in eval mode now
-        if self._training:
-            self._training, self._eval_index = False, 0
-            for callback in self.callbacks:
-                callback.on_validation_start()
+        del model  # the wrapped models are the user's own modules, in eval mode now
         if self.full_dataset:  # rank 0, once per validation (the placeholder record); metrics as returned
             loader = self._validation_loader
             if isinstance(loader, DataLoader):
@@ -210,6 +211,69 @@ class DeterminedTrial(Trial):
             returned = self.det_trial.evaluate_batch(batch)  # type: ignore[call-arg]
         self._eval_index += 1
         return _metrics(returned, "evaluate_batch")
+
+    # ------------------------------------------------------------------ callbacks, reducers, state
+
+    def _call(self, hook: str, *args: Any) -> None:
+        for callback in self.callbacks.values():
+            getattr(callback, hook)(*args)
+
+    def _startup(self, first_batch_idx: int) -> None:
+        """on_trial_startup, before this process's first batch or validation (a resumed run's first event is a
+        batch: the one after its checkpoint's, whose name is `step-<that batch>`)."""
+        if not self._startup_done:
+            self._startup_done = True
+            self._call("on_trial_startup", first_batch_idx,
+                       checkpoint_name(first_batch_idx) if self._resumed else None)
+
+    def validation_started(self) -> None:
+        self._startup(self.context.batches_trained)
+        self._eval_index = 0
+        self.det_context._reducers.reset(for_training=False)
+        self._call("on_validation_start")
+
+    def validation_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The validation metrics with the custom reducers' (reduced over all slots); on_validation_end on the
+        chief."""
+        metrics = {**metrics, **self.det_context._reducers.reduce(for_training=False)}
+        if self.context.rank == 0:
+            self._call("on_validation_end", dict(metrics))
+        return metrics
+
+    def training_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The report's means with the custom training reducers'; then on_training_workload_end, and the reducers
+        start a new period."""
+        metrics = {**metrics, **self.det_context._reducers.reduce(for_training=True)}
+        self._call("on_training_workload_end", dict(metrics), self._batch_metrics)
+        self._batch_metrics = []
+        self.det_context._reducers.reset(for_training=True)
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """What dtrain's checkpoints keep for the trial: every callback's state_dict by its name (on the chief,
+        on_checkpoint_save_start sees this dict first and may add to it)."""
+        checkpoint: dict[str, Any] = {"callbacks": {name: cb.state_dict() for name, cb in self.callbacks.items()}}
+        if self.context.rank == 0:
+            self._call("on_checkpoint_save_start", checkpoint)
+        return checkpoint
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A resumed run: on_checkpoint_load_start with the saved dict, then each callback's load_state_dict."""
+        self._resumed = True
+        self._call("on_checkpoint_load_start", state)
+        saved = state.get("callbacks", {})
+        for name, callback in self.callbacks.items():
+            if name in saved:
+                callback.load_state_dict(saved[name])
+
+    def checkpoint_written(self, path: Path | None) -> None:
+        if path is not None:
+            self._call("on_checkpoint_write_end", str(path))
+            self._call("on_checkpoint_upload_end", path.name)
+
+    def training_ended(self, status: str) -> None:
+        del status
+        self._call("on_trial_shutdown")
 
 
 class _SchedulerSteps:
@@ -299,6 +363,13 @@ def _needs_eager(context: PyTorchTrialContext) -> bool:
     configured = context._config.optimizations.average_aggregated_gradients
     return (len(context.models) > 1 or len(context.optimizers) > 1 or len(context.lr_schedulers) > 1
             or any(average != configured for average in context._averages))
+
+
+def _plain(value: Any) -> Any:
+    """A metric as a plain number where it is a scalar tensor (what a callback is given)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.detach())
+    return value
 
 
 def _overrides(cls: type, name: str) -> bool:

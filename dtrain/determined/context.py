@@ -20,6 +20,7 @@ from torch import nn
 
 from dtrain.determined.distributed import DistributedContext
 from dtrain.determined.pytorch import LRScheduler, MetricReducer
+from dtrain.determined.reducers import Reducers
 from dtrain.errors import TrialError
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class PyTorchTrialContext:
         self._batch_idx = 0
         self._stop_requested = False
         self._tensorboard: Any = None
+        self._reducers = Reducers(self.distributed.allgather)
 
     def _bind(self, trial_context: TrialContext) -> None:
         """Use the Trainer's TrialContext from now on (the Trainer API builds this context before the Trainer)."""
@@ -215,11 +217,21 @@ class PyTorchTrialContext:
             optimizer.register_step_post_hook(self._after_optimizer_step)
         return scaler
 
-    def wrap_reducer(self, reducer: Any, name: str | None = None, for_training: bool = False,
-                     for_validation: bool = True) -> Any:
-        del reducer, name, for_training, for_validation
-        raise TrialError("context.wrap_reducer() (a custom MetricReducer) is not built in dtrain; return batch "
-                         "means from evaluate_batch (dtrain averages them by record count over batches and ranks)")
+    def wrap_reducer(self, reducer: Any, name: str | None = None, for_training: bool = True,
+                     for_validation: bool = True) -> MetricReducer:
+        """Register a custom reducer (a `MetricReducer`, or a function of the list of values given to the returned
+        reducer's `update`); its metric (`name`, or its dict of metrics with name=None) is reduced over all slots
+        at the end of each validation and training report period (reducers.py)."""
+        return self._reducers.wrap(reducer, name, for_training, for_validation)
+
+    def reset_reducers(self) -> None:
+        """Reset every reducer (dtrain does it at the start of each validation and report period)."""
+        self._reducers.reset(for_training=True)
+        self._reducers.reset(for_training=False)
+
+    def reduce_metrics(self, for_training: bool) -> dict[str, float]:
+        """The reducers' metrics over all slots now (every rank must call it together)."""
+        return self._reducers.reduce(for_training=for_training)
 
     def experimental(self) -> Any:
         raise TrialError("context.experimental is not available in dtrain")

@@ -99,18 +99,44 @@ class Epoch(TrainUnit):
 
 
 class PyTorchCallback:
-    """Determined's callback hooks. dtrain calls `on_training_start`, `on_training_epoch_start/end` and
-    `on_validation_start`; the others are not called and `state_dict`/`load_state_dict` are not checkpointed
-    (docs/determined.md lists this as half done)."""
+    """Determined's callback hooks; override the ones you need. dtrain calls them at these points (every rank
+    unless it says otherwise; docs/determined.md):
+
+    - `on_trial_startup(first_batch_idx, checkpoint_uuid)`: before the first training batch or validation of this
+      process (after the data loaders are built: dtrain builds them first); `checkpoint_uuid` is the name of the
+      checkpoint the run resumed from (`step-<n>`), else None;
+    - `on_training_start()`: before the first training batch of this process (after any checkpoint was loaded);
+    - `on_training_epoch_start(epoch_idx)` / `on_training_epoch_end(epoch_idx)`: around each epoch's batches;
+    - `on_training_workload_end(avg_metrics, batch_metrics)`: at each training report, with the means since the
+      last report over all slots (custom training reducers included) and this slot's per-batch metrics;
+    - `on_validation_start()` / `on_validation_end(metrics)`: around each validation; `on_validation_end` on the
+      chief only, with the validation metrics (custom reducers included), as Determined documents;
+    - `on_checkpoint_save_start(checkpoint)`: on the chief before a checkpoint is written, with the dict dtrain saves
+      for the trial (the callbacks' states under "callbacks"; keys added to it are saved too);
+    - `on_checkpoint_write_end(checkpoint_dir)` and `on_checkpoint_upload_end(uuid)`: on the chief after a
+      checkpoint is written (dtrain's checkpoints are in the run dir: written is stored; `uuid` is its name);
+    - `on_checkpoint_load_start(checkpoint)`: when a run resumes, with that saved dict, before the callbacks'
+      `load_state_dict`;
+    - `on_trial_shutdown()`: when training ends (not after a crash or a kill, as in Determined).
+
+    `state_dict()` / `load_state_dict()` are saved in and restored from dtrain's checkpoints by the name
+    `build_callbacks()` gives the callback (plain values and tensors: checkpoints load with weights_only).
+    `on_validation_epoch_start/end` and the deprecated `on_validation_step_start/end` and `on_checkpoint_end` are
+    Lightning-adapter hooks, not called."""
 
     def on_trial_startup(self, first_batch_idx: int, checkpoint_uuid: str | None) -> None: ...
+    def on_trial_shutdown(self) -> None: ...
     def on_training_start(self) -> None: ...
     def on_training_epoch_start(self, epoch_idx: int) -> None: ...
     def on_training_epoch_end(self, epoch_idx: int) -> None: ...
+    def on_training_workload_end(self, avg_metrics: dict[str, Any], batch_metrics: list[dict[str, Any]]
+                                 ) -> None: ...
     def on_validation_start(self) -> None: ...
     def on_validation_end(self, metrics: dict[str, Any]) -> None: ...
+    def on_checkpoint_save_start(self, checkpoint: dict[str, Any]) -> None: ...
     def on_checkpoint_write_end(self, checkpoint_dir: str) -> None: ...
-    def on_trial_shutdown(self) -> None: ...
+    def on_checkpoint_upload_end(self, uuid: str) -> None: ...
+    def on_checkpoint_load_start(self, checkpoint: dict[str, Any]) -> None: ...
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -120,8 +146,10 @@ class PyTorchCallback:
 
 
 class MetricReducer:
-    """Determined's custom reducer interface (`reset`, `per_slot_reduce`, `cross_slot_reduce`). dtrain averages
-    evaluate_batch's means by record count instead; `context.wrap_reducer` is refused with one line."""
+    """Determined's custom reducer interface: the trial updates it (a method of its own, e.g. in evaluate_batch);
+    `reset()` starts a validation or a training report period, `per_slot_reduce()` reduces one slot's values, and
+    `cross_slot_reduce(per_slot_metrics)` all slots' (a value with the name given to `context.wrap_reducer`, or a
+    dict of metrics with name=None). See reducers.py."""
 
     def reset(self) -> None:
         raise NotImplementedError

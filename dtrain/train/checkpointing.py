@@ -164,9 +164,10 @@ class Checkpointer:
         self.latest: ckpt.CheckpointRef | None = None  # written by this process (rank 0)
 
     def write(self, step: int, metric: float | None, *, state: TrainerState, optimization: Optimization,
-              strategy: SyncStrategy, epoch: float) -> None:
-        """Every rank's RNG state and the model, optimizer, schedules, strategy and trainer state after `step`;
-        `metric` is the searcher metric of a validation at this step (kept for best-checkpoint pruning)."""
+              strategy: SyncStrategy, epoch: float, trial_state: dict[str, Any] | None = None) -> None:
+        """Every rank's RNG state and the model, optimizer, schedules, strategy, trainer state and the Trial's own
+        state after `step`; `metric` is the searcher metric of a validation at this step (kept for best-checkpoint
+        pruning)."""
         rng_states = all_gather_object(capture_rng_state())
         if metric is not None:
             state.checkpoint_metrics[step] = metric
@@ -187,7 +188,7 @@ class Checkpointer:
             return
         started = time.perf_counter()
         contents = {"optimizer": optimizer_state, **optimization.schedule_state(), "strategy": strategy.state_dict(),
-                    "trainer": state.to_dict(), "rng": rng_states, **sharded}
+                    "trainer": state.to_dict(), "rng": rng_states, "trial": trial_state or {}, **sharded}
         ref = ckpt.write_checkpoint(self.root, step, model_state, contents,
                                     extra_meta={"world_size": self.topology.world_size, "epoch": epoch},
                                     after_model_file=lambda: self.callbacks.during_checkpoint(step))

@@ -32,6 +32,7 @@ class Evaluator:
     def evaluate(self, model: nn.Module, batch_size: int) -> dict[str, float]:
         """The metrics over the whole validation data (a collective: every rank calls it together)."""
         model.eval()
+        self.trial.validation_started()
         shard = validation_shard(len(self.data), self.topology.rank, self.topology.world_size)
         sums: dict[str, float] = {"__records": 0.0}
         with torch.no_grad():
@@ -54,7 +55,7 @@ class Evaluator:
             sums.setdefault(name, 0.0)
         reduced = all_reduce_sums(sums)
         records = reduced.pop("__records")
-        return {name: value / records for name, value in reduced.items()}
+        return self.trial.validation_metrics({name: value / records for name, value in reduced.items()})
 
 
 class SearcherMetric:

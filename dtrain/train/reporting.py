@@ -92,8 +92,10 @@ class Reporter:
         self.writer.training(step, self.schedule.epoch_of(step), self.clock.wall(), values)
 
     def training(self, step: int, sums: dict[str, float], *, samples_per_second: float, lr: float,
-                 global_batch_size: int) -> None:
-        """The means of `sums` over all ranks (a collective); TrainingDiverged on every rank if one is not finite."""
+                 global_batch_size: int, extend: Callable[[dict[str, float]], dict[str, float]] | None = None
+                 ) -> None:
+        """The means of `sums` over all ranks (a collective); TrainingDiverged on every rank if one is not finite.
+        `extend` (the Trial's training_metrics hook, every rank) may add metrics to the finite means."""
         reduced = all_reduce_sums(sums)
         records = reduced.pop("__records", 0.0)
         values = {name: value / records for name, value in reduced.items()} if records else {}
@@ -102,6 +104,8 @@ class Reporter:
             raise TrainingDiverged(
                 f"training diverged: the mean training {' and '.join(broken)} up to batch {step} is not finite "
                 f"(learning rate {lr:.4g}, global batch {global_batch_size}); {RECIPE_ADVICE}")
+        if extend is not None:
+            values = extend(values)
         values["samples_per_second"] = samples_per_second
         window = self.profiler.window_profile() if self.profiler.enabled else {}
         profiles = all_gather_object(window) if self.profiler.enabled and self.topology.is_distributed else [window]

@@ -146,6 +146,8 @@ class Trainer:
         self.checkpoint_state = checkpoint_state_of(self.strategy)
         self.resumed = checkpoint is not None
         self.state = self._resume(checkpoint) if checkpoint is not None else self._start()
+        if checkpoint is not None:
+            self.trial.load_state_dict(dict(checkpoint.state.get("trial") or {}))
         if self.state.batch_split is not None:  # the split the last re-balance chose
             self.sizes.rebase(split_by_sizes(self.state.batch_split))
         self.balancing, meter = build_balancing(config, topology, self.model, lambda: self.sizes.records)
@@ -400,7 +402,10 @@ class Trainer:
                 self.consolidate(snapshot=True)
                 self.clock.save(self.state)
                 self.checkpointer.write(step, metric, state=self.state, optimization=self.optimization,
-                                        strategy=self.strategy, epoch=self.schedule.epoch_of(step))
+                                        strategy=self.strategy, epoch=self.schedule.epoch_of(step),
+                                        trial_state=self.trial.state_dict())
+                latest = self.checkpointer.latest if self.topology.is_chief else None
+                self.trial.checkpoint_written(latest.path if latest is not None else None)
         self.progress.pause_clock(time.perf_counter() - aside)
         if stop is not None:
             self._stop(stop, step)
@@ -411,7 +416,8 @@ class Trainer:
         self.reporter.training(step, self.training_metrics.take_report(),
                                samples_per_second=self.state.samples_trained / training if training > 0 else 0.0,
                                lr=float(self.optimization.optimizer.param_groups[0]["lr"]),
-                               global_batch_size=self.sizes.split.global_batch_size)
+                               global_batch_size=self.sizes.split.global_batch_size,
+                               extend=self.trial.training_metrics)
 
     def _validate(self, step: int) -> float | None:
         """Evaluate the model on all ranks, record the metrics; return the searcher metric."""
@@ -481,6 +487,7 @@ class Trainer:
 
     def _finish(self) -> dict[str, Any]:
         """The summary (rank 0 writes summary.json), after checking that the replicas agree."""
+        self.trial.training_ended(self.status)
         summary = run_summary(status=self.status, topology=self.topology, sizes=self.sizes, state=self.state,
                               schedule=self.schedule, checkpoint=self.checkpointer.newest(), run_dir=self.run_dir,
                               strategy=self.strategy.describe(), compression=self.config.compression.name)

@@ -119,3 +119,32 @@ class Trial:
 
     def evaluate_batch(self, batch: Any, model: nn.Module) -> dict[str, torch.Tensor | float]:
         raise NotImplementedError("evaluate_batch(batch, model) must return {metric name: batch mean}")
+
+    # Optional hooks, for adapters of other training APIs (dtrain/determined: Determined's callbacks and metric
+    # reducers). The Trainer calls each on every rank at the same point; the defaults do nothing.
+
+    def validation_started(self) -> None:
+        """Before each validation."""
+
+    def validation_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """After each validation, with its metrics reduced over the ranks (every rank together: collectives are
+        allowed); returns the metrics to record."""
+        return metrics
+
+    def training_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """At each training report, with the means since the last report reduced over the ranks (every rank
+        together); returns the metrics to record."""
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """The Trial's own state for checkpoints (rank 0's is written; plain Python values and tensors)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """When a run resumes, after the model and optimizer, with the checkpoint's `state_dict()`."""
+
+    def checkpoint_written(self, path: Path | None) -> None:
+        """After each checkpoint: its directory on rank 0, None on the other ranks."""
+
+    def training_ended(self, status: str) -> None:
+        """When training ends (not after a crash), with the run's status."""

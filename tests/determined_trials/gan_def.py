@@ -2,7 +2,8 @@
 target and a discriminator tells real (inputs, target) pairs from generated ones. The discriminator is stepped
 first, then the generator through the updated discriminator (its parameters frozen meanwhile, so each parameter gets
 its gradient from one loss per batch, as Determined asks), with a clipped step; each optimizer has its own
-scheduler. The trial does not know about dtrain."""
+scheduler. It evaluates with evaluate_full_dataset (the chief alone, over the whole loader). The trial does not know
+about dtrain."""
 
 from __future__ import annotations
 
@@ -72,6 +73,7 @@ class AdversarialTrial(pytorch.PyTorchTrial):
         self.context.step_optimizer(self.g_opt, clip_grads=clip)
         return {"critic_loss": critic_loss, "generator_loss": g_loss}
 
-    def evaluate_batch(self, batch: Any) -> dict[str, Any]:
-        inputs, targets = batch
-        return {"validation_loss": F.mse_loss(self.generator(inputs), targets).item()}
+    def evaluate_full_dataset(self, data_loader: torch.utils.data.DataLoader) -> dict[str, Any]:
+        errors = torch.cat([self.generator(inputs) - targets for inputs, targets in data_loader])
+        return {"validation_loss": float(errors.pow(2).mean()), "records": len(errors),
+                "rank": self.context.distributed.get_rank()}

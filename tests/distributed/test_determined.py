@@ -4,7 +4,9 @@ slots: the legacy PyTorchTrial (also with a worker SIGKILLed and restarted) and 
 optimizers (gan_def.py) on 2 slots with gradient aggregation ends within 1e-9 of a plain torch loop in one process
 (gan_reference.py); the Core API script on 2 slots and on
 1 slot, killed with SIGKILL mid-run and resumed from `latest_checkpoint` by the restart, end at the same weights; a
-script that uses no Determined API runs on every slot. The runs start five at a time, side by side (the machine's
+script that uses no Determined API runs on every slot. The legacy trial's reducer (a median over both slots'
+records) and its callback state (restored after the kill) and the two-model trial's evaluate_full_dataset (the chief
+over all records) are checked on the same runs. The runs start five at a time, side by side (the machine's
 cores are mostly idle while each imports torch), and each test reads the runs it needs. The legacy PyTorchTrial on
 1 slot runs in process only (tests/unit/test_determined_api.py: bitwise equal to the native Trial through the same
 Trainer); its slot here went to the two-model trial."""
@@ -93,7 +95,10 @@ def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> f
 
 @pytest.mark.parametrize("name", ["legacy-2", "legacy-2-killed", "trainer-1", "trainer-2"])
 def test_pytorch_trial_and_trainer_api_match_the_native_trial(
-        runs: dict[str, tuple[Path, subprocess.CompletedProcess[str]]], name: str) -> None:
+        runs: dict[str, tuple[Path, subprocess.CompletedProcess[str]]], name: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(TRIALS))
+    monkeypatch.delitem(sys.modules, "data", raising=False)
     native = _trainer_weights(runs, "native-1")
     assert _max_difference(_trainer_weights(runs, name), native) <= TOLERANCE
     # the same run went through dtrain's own pipeline: store, TensorBoard, validation at the configured period
@@ -103,6 +108,18 @@ def test_pytorch_trial_and_trainer_api_match_the_native_trial(
     assert list((run_dir / "tensorboard").iterdir())
     if name.endswith("killed"):  # rank 1 was SIGKILLed at batch 8; the restart resumed from batch 6
         assert summary["restarts"] == 1 and summary["resumes"] == 1, summary
+    if name.startswith("legacy"):  # its reducer's median over both slots' records; its callback's state restored
+        from data import regression  # type: ignore[import-not-found]
+
+        inputs, targets = regression(64, seed=2).tensors
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).double()
+        model.load_state_dict(_trainer_weights(runs, name))
+        with torch.no_grad():
+            median = float((model(inputs) - targets).abs().median())
+        reported = summary["validation_history"][-1]["metrics"]["median_abs_error"]  # type: ignore[index]
+        assert abs(reported - median) <= 1e-12, (reported, median)
+        state = torch.load(Path(str(summary["checkpoint"])).parent / "state.pt", weights_only=True)
+        assert state["trial"]["callbacks"] == {"validations": {"count": 2}}  # 1 before the kill, restored, +1
 
 
 def test_the_reference_is_not_trivially_matched(runs: dict[str, tuple[Path, subprocess.CompletedProcess[str]]]
@@ -212,5 +229,16 @@ def test_two_models_and_optimizers_on_two_slots_match_a_one_process_loop(
     assert _max_difference(trained, expected) <= TOLERANCE
     assert _max_difference(trained, initial) > 1e-3
     summary = _completed(runs, "gan-2")
-    state = torch.load(Path(str(summary["checkpoint"])).parent / "state.pt", weights_only=False)
+    state = torch.load(Path(str(summary["checkpoint"])).parent / "state.pt", weights_only=True)
     assert len(state["optimizer"]["optimizers"]) == 2 and len(state["scheduler"]["schedulers"]) == 2
+    # evaluate_full_dataset ran on the chief alone over all 64 validation records, and every rank recorded it
+    from data import network, regression
+
+    generator = network()
+    generator.load_state_dict({k.removeprefix("model_0."): v for k, v in trained.items() if k.startswith("model_0.")})
+    inputs, targets = regression(64, seed=2).tensors
+    with torch.no_grad():
+        loss = float((generator(inputs) - targets).pow(2).mean())
+    metrics = summary["validation_history"][-1]["metrics"]  # type: ignore[index]
+    assert metrics["records"] == 64 and metrics["rank"] == 0
+    assert abs(metrics["validation_loss"] - loss) <= 1e-12

@@ -192,8 +192,9 @@ def test_wrap_calls_dtrain_does_not_have_are_one_line() -> None:
         context.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), backward_passes_per_step=4)
     with pytest.raises(TrialError, match="wrap_model\\(\\) got the same model twice"):
         context.wrap_model(model)
-    with pytest.raises(TrialError, match="wrap_reducer\\(\\) .* is not built"):
-        context.wrap_reducer(object())
+    with pytest.raises(TrialError, match="wrap_optimizer\\(\\) got the same optimizer twice"):
+        optimizer = context.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        context.wrap_optimizer(optimizer)
 
 
 def test_train_batch_without_backward_or_step_is_one_line() -> None:
