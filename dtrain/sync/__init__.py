@@ -11,12 +11,14 @@ from dtrain.sync.allreduce import AllReduceStrategy, build_allreduce
 from dtrain.sync.base import (
     AsynchronousPacing,
     BucketObserving,
+    CollectiveForward,
     ComputePhases,
     Consolidating,
     OptimizerWrapping,
     OwnsCheckpointState,
     ReportingMetrics,
     RunsForwardBackward,
+    ShardedConstruction,
     SyncStrategy,
     TrainBatch,
     WireMetering,
@@ -52,8 +54,8 @@ def build_strategy(config: ExperimentConfig, topology: Topology) -> SyncStrategy
     return builder(config, topology)
 
 
-__all__ = ["REGISTRY", "AllReduceStrategy", "AsynchronousPacing", "BucketObserving", "ComputePhases",
-           "Consolidating", "FsdpStrategy", "HierarchicalStrategy", "LocalSGDStrategy", "OptimizerWrapping",
-           "OwnsCheckpointState", "ParameterServerStrategy", "PipelineStrategy", "ReportingMetrics",
-           "RunsForwardBackward", "StrategyBuilder", "SyncStrategy", "TrainBatch", "WireMetering",
-           "WritesShardedCheckpoint", "Zero1Strategy", "build_strategy"]
+__all__ = ["REGISTRY", "AllReduceStrategy", "AsynchronousPacing", "BucketObserving", "CollectiveForward",
+           "ComputePhases", "Consolidating", "FsdpStrategy", "HierarchicalStrategy", "LocalSGDStrategy",
+           "OptimizerWrapping", "OwnsCheckpointState", "ParameterServerStrategy", "PipelineStrategy",
+           "ReportingMetrics", "RunsForwardBackward", "ShardedConstruction", "StrategyBuilder", "SyncStrategy",
+           "TrainBatch", "WireMetering", "WritesShardedCheckpoint", "Zero1Strategy", "build_strategy"]

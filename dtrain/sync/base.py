@@ -188,3 +188,24 @@ class WritesShardedCheckpoint(Protocol):
     def load_sharded(self, directory: Path, optimizer: torch.optim.Optimizer) -> None:
         """Load this rank's shards back from `directory` (every rank together; after wrapping and building)."""
         ...
+
+
+@runtime_checkable
+class ShardedConstruction(Protocol):
+    """Builds the model without a whole copy on every rank: the Trial's `build_model()` runs inside
+    `model_construction()` (the meta device on every rank but rank 0, so they allocate nothing), and `wrap_model`
+    materializes only this rank's shards, filled from rank 0's model. Without it every rank builds the whole
+    model on its device."""
+
+    def model_construction(self) -> AbstractContextManager[Any]:
+        """The context `build_model()` runs in on this rank."""
+        ...
+
+
+@runtime_checkable
+class CollectiveForward(Protocol):
+    """A wrapped model whose forward pass is a collective (FSDP all-gathers each block's shards as it runs), so
+    every rank must run the same number of forward passes in validation too. Without it each rank evaluates its
+    share of the validation data on its own."""
+
+    collective_forward: bool

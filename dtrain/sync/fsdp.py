@@ -11,23 +11,31 @@ Whole-tensor optimizers: parameters are DTensors, and LARS's and LAMB's `torch.l
 sharded DTensor is a sum of the shards' partial norms all-reduced by DTensor: the trust ratio is the whole
 tensor's, on every rank alike (checked by the LARS case of the equivalence test).
 
-Validation and the replica check use a plain copy of the model (`unwrap_model`), filled by gathering the full
-parameters when it is stale: every rank holds the whole model only then. Checkpoints are written by every rank,
-its own shards of the parameters and optimizer state, through torch.distributed.checkpoint (WritesShardedCheckpoint):
-no rank gathers the model for them. `dtrain export` turns such a checkpoint into a plain `model.pt`.
+Construction without a whole model per rank (ShardedConstruction): the Trial's `build_model()` runs on the meta
+device on every rank but rank 0, every rank shards its (meta) model, allocates only its own shards (`to_empty`),
+and the shards are filled from rank 0's model, one tensor at a time (`set_model_state_dict` with
+`broadcast_from_rank0`); rank 0 then drops its whole copy. The run therefore starts from exactly the weights a
+non-sharded run with the same seed starts from, rank 0 holds the whole parameters only while the shards are filled,
+and the other ranks never hold more than their shards plus one whole tensor.
+
+Validation runs on the sharded model (every rank the same number of forward passes: CollectiveForward); the
+replica check gathers one whole parameter at a time. Checkpoints are written by every rank, its own shards of the
+parameters and optimizer state, through torch.distributed.checkpoint (WritesShardedCheckpoint): no rank gathers
+the model for them. `dtrain export` turns such a checkpoint into a plain `model.pt`.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed import broadcast
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -42,6 +50,7 @@ from dtrain.config import ExperimentConfig
 
 FULL = StateDictOptions(full_state_dict=True)
 FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+BROADCAST_FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
 def sharding_units(model: nn.Module) -> list[nn.Module]:
@@ -56,54 +65,50 @@ def sharding_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of `model` whose parameters and buffers live on the meta device (no memory)."""
-    memo: dict[int, Any] = {}
-    for parameter in model.parameters():
-        memo[id(parameter)] = nn.Parameter(torch.empty_like(parameter, device="meta"),
-                                           requires_grad=parameter.requires_grad)
-    for buffer in model.buffers():
-        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
-    return copy.deepcopy(model, memo)
-
-
 class FsdpStrategy:
-    """FSDP2 over all workers: the core protocol plus OwnsCheckpointState and Consolidating (the plain copy)."""
+    """FSDP2 over all workers: the core protocol plus ShardedConstruction, CollectiveForward, OwnsCheckpointState
+    and WritesShardedCheckpoint."""
 
     name = "fsdp"
+    collective_forward = True
 
     def __init__(self, topology: Topology, *, reshard_after_forward: bool = True) -> None:
         self.topology = topology
         self.reshard_after_forward = reshard_after_forward
         self._sharded: nn.Module | None = None
-        self._plain: nn.Module | None = None
-        self._plain_stale = True
-        self._plain_allocated = False
 
     # ------------------------------------------------------------------------------- core protocol
 
+    def model_construction(self) -> AbstractContextManager[Any]:
+        """Rank 0 builds the real model (its weights are the run's initial weights); the others build it on the
+        meta device, which allocates nothing."""
+        return nullcontext() if self.topology.rank == 0 else torch.device("meta")
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        """Shard `model` in place: its parameters become DTensor shards, which the optimizer is built over."""
-        self._plain = meta_copy(model)
+        """Shard `model` in place: its parameters become DTensor shards, which the optimizer is built over. A model
+        built whole (rank 0, or every rank when built outside `model_construction`) gives its weights to the
+        shards; the other ranks' meta models receive rank 0's."""
+        source = self.topology.rank == 0
+        whole = _materialized(model)
+        full = model.state_dict() if source else {}  # references, no copies
+        transient = {name: buffer for name, buffer in _non_persistent_buffers(model)} if source else {}
+        if whole:
+            model.to(device="meta")  # the whole tensors live on only in `full` (rank 0) until the shards are filled
         mesh = device_mesh(self.topology, (self.topology.world_size,), ("data",))
         for unit in sharding_units(model):
             fully_shard(unit, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
         fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        model.to_empty(device=self.topology.device)  # this rank's shards only
+        set_model_state_dict(model, full, options=BROADCAST_FROM_RANK0)
+        _broadcast_buffers(model, transient, self.topology.device)
+        del full, transient
         self._sharded = model
-        self._plain_stale = True
         return model
 
     def unwrap_model(self) -> nn.Module:
-        """The plain model, its parameters gathered from every rank when they changed since the last call
-        (collective: every rank calls it together, as the Trainer does)."""
-        assert self._plain is not None and self._sharded is not None, "wrap_model() first"
-        if self._plain_stale:
-            if not self._plain_allocated:
-                self._plain.to_empty(device=self.topology.device)
-                self._plain_allocated = True
-            self._plain.load_state_dict(get_model_state_dict(self._sharded, options=FULL))
-            self._plain_stale = False
-        return self._plain
+        """The sharded model itself (no whole copy is kept): validation runs forward on it on every rank together;
+        `get_model_state_dict(..., full_state_dict=True)` or `dtrain export` gathers whole weights on demand."""
+        return self._root()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -117,7 +122,6 @@ class FsdpStrategy:
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
-        self._plain_stale = True
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -130,21 +134,17 @@ class FsdpStrategy:
                 "shards": self.topology.world_size}
 
     def close(self) -> None:
-        """Nothing to release: the plain copy stays readable after the run (the process group outlives it)."""
+        """Nothing to release: the sharded model stays readable after the run (the process group outlives it)."""
 
     # ---------------------------------------------------------------------------------- extensions
 
-    def consolidate(self, *, snapshot: bool = False) -> None:
-        """Before validation and checkpoints: refresh the plain copy (all ranks together)."""
-        self.unwrap_model()
-
     def model_state_dict(self) -> dict[str, Any]:
-        return self.unwrap_model().state_dict()
+        """The whole weights gathered on rank 0 (on the CPU, one tensor at a time); the other ranks get {}."""
+        return get_model_state_dict(self._root(), options=FULL_ON_RANK0)
 
     def load_model_state_dict(self, state: dict[str, Any]) -> None:
         """Each rank keeps its shard of the full state rank 0 read."""
         set_model_state_dict(self._root(), state, options=FULL)
-        self._plain_stale = True
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The full optimizer state keyed by parameter names, gathered on rank 0 (the others get an empty dict)."""
@@ -166,7 +166,6 @@ class FsdpStrategy:
         dcp.load({"model": model_state, "optim": optimizer_state}, checkpoint_id=str(directory))  # in place
         set_model_state_dict(root, model_state)
         set_optimizer_state_dict(root, optimizer, optimizer_state)
-        self._plain_stale = True
 
     # ------------------------------------------------------------------------------------- internals
 
@@ -178,6 +177,27 @@ class FsdpStrategy:
         root = self._root()
         assert isinstance(root, FSDPModule)
         return root
+
+
+def _materialized(model: nn.Module) -> bool:
+    return not any(tensor.is_meta for tensor in chain(model.parameters(), model.buffers()))
+
+
+def _non_persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Buffers a state_dict leaves out (caches such as rotary tables): `to_empty` erases them, so they are
+    broadcast from rank 0 beside the state_dict."""
+    saved = set(model.state_dict(keep_vars=True))
+    for name, buffer in model.named_buffers():
+        if name not in saved:
+            yield name, buffer
+
+
+def _broadcast_buffers(model: nn.Module, source: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Fill the non-persistent buffers of every rank's model with rank 0's (`source`, empty on the others)."""
+    for name, buffer in _non_persistent_buffers(model):
+        if name in source:
+            buffer.copy_(source[name])
+        broadcast(buffer, src=0)
 
 
 def build_fsdp(config: ExperimentConfig, topology: Topology) -> FsdpStrategy:

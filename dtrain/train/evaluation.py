@@ -22,11 +22,15 @@ log = logging.getLogger(__name__)
 class Evaluator:
     """Runs the Trial's evaluate_batch over this rank's shard and reduces the record-weighted sums."""
 
-    def __init__(self, data: SizedDataset, trial: Trial, topology: Topology, *, channels_last: bool) -> None:
+    def __init__(self, data: SizedDataset, trial: Trial, topology: Topology, *, channels_last: bool,
+                 lockstep: bool = False) -> None:
+        """`lockstep`: the model's forward pass is a collective (FSDP), so every rank runs as many batches as the
+        rank with the most; the extra ones are evaluated and their outputs dropped."""
         self.data = data
         self.trial = trial
         self.topology = topology
         self.channels_last = channels_last
+        self.lockstep = lockstep and topology.is_distributed
         self.batched = returns_batches(data)
 
     def evaluate(self, model: nn.Module, batch_size: int) -> dict[str, float]:
@@ -35,14 +39,13 @@ class Evaluator:
         self.trial.validation_started()
         shard = validation_shard(len(self.data), self.topology.rank, self.topology.world_size)
         sums: dict[str, float] = {"__records": 0.0}
+        starts = range(shard.start, shard.stop, batch_size)
+        extra = max(all_gather_object(len(starts))) - len(starts) if self.lockstep else 0
         with torch.no_grad():
-            for first in range(shard.start, shard.stop, batch_size):
-                indices = list(range(first, min(first + batch_size, shard.stop)))
-                if self.batched:
-                    batch = self.data.__getitems__(indices)  # type: ignore[attr-defined]
-                else:
-                    batch = torch.utils.data.default_collate([self.data[i] for i in indices])
-                batch = move_to_device(batch, self.topology.device, self.channels_last)
+            for _ in range(extra):  # a forward pass that only keeps the other ranks' collectives company
+                self.trial.evaluate_batch(self._batch(range(min(batch_size, len(self.data)))), model)
+            for first in starts:
+                batch = self._batch(range(first, min(first + batch_size, shard.stop)))
                 outputs = self.trial.evaluate_batch(batch, model)
                 if not isinstance(outputs, Mapping) or not outputs:
                     raise TrialError("evaluate_batch() must return a non-empty dict {metric name: batch mean}")
@@ -56,6 +59,14 @@ class Evaluator:
         reduced = all_reduce_sums(sums)
         records = reduced.pop("__records")
         return self.trial.validation_metrics({name: value / records for name, value in reduced.items()})
+
+    def _batch(self, records: range) -> Any:
+        indices = list(records)
+        if self.batched:
+            batch = self.data.__getitems__(indices)  # type: ignore[attr-defined]
+        else:
+            batch = torch.utils.data.default_collate([self.data[i] for i in indices])
+        return move_to_device(batch, self.topology.device, self.channels_last)
 
 
 class SearcherMetric:

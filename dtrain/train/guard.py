@@ -52,11 +52,14 @@ def gradients_finite(parameters: Iterable[torch.nn.Parameter]) -> bool:
 def model_digest(model: torch.nn.Module) -> str:
     """SHA-256 of every parameter, in model order (equal on ranks that hold the same weights). Buffers are left
     out: batch-norm running statistics are each rank's own between DDP's broadcasts at every forward pass (the
-    last training forward updates them from each rank's own batch), and checkpoints hold rank 0's."""
+    last training forward updates them from each rank's own batch), and checkpoints hold rank 0's. A sharded
+    parameter (a DTensor, strategy fsdp) is gathered whole one at a time: a collective, every rank calls this
+    together, and no rank holds more than one whole parameter for it."""
     digest = hashlib.sha256()
     for name, tensor in model.named_parameters():
+        whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
         digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(whole.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

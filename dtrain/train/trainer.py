@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from contextlib import nullcontext
+from itertools import chain
 from typing import Any, NamedTuple
 
 import torch
@@ -26,8 +28,10 @@ from dtrain.runs.rundir import SUMMARY_FILE, RunInfo, write_json_atomic
 from dtrain.sync import (
     AsynchronousPacing,
     BucketObserving,
+    CollectiveForward,
     Consolidating,
     RunsForwardBackward,
+    ShardedConstruction,
     SyncStrategy,
     build_strategy,
 )
@@ -135,8 +139,8 @@ class Trainer:
                                 average_aggregated=config.optimizations.average_aggregated_gradients)
 
         # model, strategy, optimizer: the strategy wraps the model before the optimizer sees its parameters
-        self.model = self._build_model()
         self.strategy: SyncStrategy = build_strategy(config, topology)
+        self.model = self._build_model()
         self.profiler = self._build_profiler()
         checkpoint = read_checkpoint(self.run_dir / "checkpoints", topology)
         if checkpoint is not None:  # before wrapping: the strategy's state may decide how it wraps (bucket size)
@@ -187,7 +191,8 @@ class Trainer:
         self.progress = Progress(self.schedule.total_batches, self.state.steps_completed,
                                  split.global_batch_size, enabled=chief, report_every=config.scheduling_unit)
         self.searcher = SearcherMetric(config.searcher.metric, smaller_is_better=config.searcher.smaller_is_better)
-        self.evaluator = Evaluator(self.val_data, self.trial, topology, channels_last=self.channels_last)
+        self.evaluator = Evaluator(self.val_data, self.trial, topology, channels_last=self.channels_last,
+                                   lockstep=isinstance(self.strategy, CollectiveForward))
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", topology, self.checkpoint_state,
                                          CheckpointPolicy(config, self.schedule, self.searcher), self.callbacks)
         self.stalls = StallWatch(topology, config.distributed, self.profiler.timer)
@@ -208,12 +213,18 @@ class Trainer:
         return schedule
 
     def _build_model(self) -> nn.Module:
-        model = self.trial.build_model()
+        """The Trial's model on this rank's device; a strategy that shards the model may have it built on the meta
+        device (no memory), and materializes its own shards when it wraps it."""
+        construction = (self.strategy.model_construction() if isinstance(self.strategy, ShardedConstruction)
+                        else nullcontext())
+        with construction:
+            model = self.trial.build_model()
         if not isinstance(model, nn.Module):
             raise TrialError(f"build_model() returned {type(model).__name__}; return a torch.nn.Module")
-        model = model.to(self.topology.device)
-        if self.channels_last:
-            model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        if not any(tensor.is_meta for tensor in chain(model.parameters(), model.buffers())):
+            model = model.to(self.topology.device)
+            if self.channels_last:
+                model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         apply_activation_checkpointing(model, self.config.optimizations.activation_checkpointing)
         return model
 

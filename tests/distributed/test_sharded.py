@@ -4,6 +4,7 @@ tensors) and a 2-stage pipeline with GPipe and 1F1B over 4 microbatches. All cas
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 from collections.abc import Callable
@@ -100,6 +101,33 @@ def _agreement(topology: Topology) -> dict[str, Any]:
             "params": [p.detach().clone() for p in model.parameters()]}
 
 
+def _whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state with sharded tensors gathered whole (a collective under FSDP)."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def _local_bytes(tensors: Any) -> int:
+    """Bytes this rank allocated for `tensors` (a DTensor by its local shard, a meta tensor as 0)."""
+    total = 0
+    for tensor in tensors:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        total += 0 if local.is_meta else local.numel() * local.element_size()
+    return total
+
+
+def _recording(trial_class: type) -> type:
+    class Recording(trial_class):  # type: ignore[misc, valid-type]
+        """Records the bytes the model held as build_model() returned it on this rank."""
+
+        def build_model(self) -> torch.nn.Module:
+            model = super().build_model()
+            self.built_bytes = _local_bytes(model.parameters())
+            return model
+
+    return Recording
+
+
 def _train_all(topology: Topology, root: str, cases: dict[str, dict[str, Any]], extras: bool = True
                ) -> dict[str, Any]:
     sys.path.insert(0, str(FIXTURES))
@@ -112,12 +140,13 @@ def _train_all(topology: Topology, root: str, cases: dict[str, dict[str, Any]], 
         if topology.rank == 0:
             prepare_run_dir(config, run_dir, FIXTURES)
         barrier()
-        trainer = Trainer(config=config, trial_class=DigitsTrial, topology=topology, run_info=load_run_info(run_dir))
+        trainer = Trainer(config=config, trial_class=_recording(DigitsTrial), topology=topology,
+                          run_info=load_run_info(run_dir))
         summary = trainer.fit()
         assert summary["status"] == "completed", summary
         model = trainer.strategy.unwrap_model()
-        results[name] = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                         "identical": summary["replicas_identical"]}
+        results[name] = {"held_bytes": _local_bytes(model.parameters()), "built_bytes": trainer.trial.built_bytes,
+                         "state": _whole(model), "identical": summary["replicas_identical"]}
         history = getattr(trainer.forward_backward, "history", None)
         if history is not None:
             results[name]["history"] = history
@@ -131,20 +160,22 @@ def _train_all(topology: Topology, root: str, cases: dict[str, dict[str, Any]], 
 
 def _model_state_bytes(topology: Topology) -> dict[str, Any]:
     """One Adam step of a 4-layer MLP under each layout: this rank's bytes of parameters, gradients and optimizer
-    state (DTensors by their local shard), and the parameter count."""
+    state (DTensors by their local shard), and the parameter count. FSDP first: the bytes its model held when built
+    under its `model_construction()`, and how many whole-sized 256 x 256 tensors are alive after its step and a
+    validation-like forward (none may be: FSDP never keeps a whole parameter on a rank)."""
+    import gc
+
     from dtrain.sync.allreduce import AllReduceStrategy
     from dtrain.sync.fsdp import FsdpStrategy
     from dtrain.sync.zero import Zero1Strategy
 
-    def local(tensor: torch.Tensor) -> int:
-        shard = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        return int(shard.numel() * shard.element_size())
-
     measured: dict[str, Any] = {}
-    for layout, kind in (("ddp", AllReduceStrategy), ("zero1", Zero1Strategy), ("fsdp", FsdpStrategy)):
+    for layout, kind in (("fsdp", FsdpStrategy), ("ddp", AllReduceStrategy), ("zero1", Zero1Strategy)):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
         strategy = kind(topology)
+        with strategy.model_construction() if isinstance(strategy, FsdpStrategy) else contextlib.nullcontext():
+            model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+        measured[f"{layout}_built"] = _local_bytes(model.parameters())
         wrapped = strategy.wrap_model(model)
         optimizer: Any = torch.optim.Adam(model.parameters(), lr=1e-3)
         if hasattr(strategy, "wrap_optimizer"):
@@ -152,11 +183,19 @@ def _model_state_bytes(topology: Topology) -> dict[str, Any]:
         wrapped(torch.randn(8, 256)).sum().backward()
         strategy.step(optimizer)
         states = getattr(optimizer, "optim", optimizer).state.values()  # ZeRO keeps its shard in .optim
-        measured[layout] = (sum(local(p) for p in model.parameters())
-                            + sum(local(p.grad) for p in model.parameters() if p.grad is not None)
-                            + sum(local(v) for s in states for v in s.values() if isinstance(v, torch.Tensor)
-                                  and v.numel() > 1))
+        measured[layout] = (_local_bytes(model.parameters())
+                            + _local_bytes(p.grad for p in model.parameters() if p.grad is not None)
+                            + _local_bytes(v for s in states for v in s.values() if isinstance(v, torch.Tensor)
+                                           and v.numel() > 1))
         measured["parameters"] = sum(p.numel() for p in model.parameters())
+        if layout == "fsdp":
+            with torch.no_grad():
+                strategy.unwrap_model().eval()(torch.randn(8, 256))
+            gc.collect()
+            measured["fsdp_whole_tensors"] = sum(
+                1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and not hasattr(o, "to_local")
+                and not o.is_meta and o.shape == (256, 256) and o.untyped_storage().nbytes() > 0)
+        del model, wrapped, optimizer, strategy, states
     return measured
 
 
@@ -183,8 +222,7 @@ def _interrupted_and_resumed(topology: Topology, run_dir: Path, raw: dict[str, A
     trainer = Trainer(config=second, trial_class=DigitsTrial, topology=topology, run_info=load_run_info(run_dir))
     assert trainer.resumed and trainer.state.steps_completed == 2
     assert trainer.fit()["status"] == "completed"
-    result: dict[str, Any] = {"state": {k: v.detach().clone()
-                                        for k, v in trainer.strategy.unwrap_model().state_dict().items()}}
+    result: dict[str, Any] = {"state": _whole(trainer.strategy.unwrap_model())}
     if topology.rank == 0:  # the checkpoint's model.pt holds no weights: they are the ranks' shards
         from dtrain.commands.export import export_model
 
@@ -284,6 +322,22 @@ def test_plan_predicts_each_ranks_model_state_bytes_within_10_percent(trained: l
         predicted = model_state_bytes(rank["memory"]["parameters"], layout, 2, "adam").total_bytes
         assert abs(predicted - measured) / measured < 0.10, (layout, predicted, measured)
     assert trained[0]["memory"]["fsdp"] <= 0.55 * trained[0]["memory"]["ddp"]  # ideal 0.5 at 2 ranks
+
+
+def test_fsdp_never_materializes_the_whole_model_on_a_rank(trained: list[dict[str, Any]]) -> None:
+    """Rank 1 builds the model on the meta device (0 bytes of parameters), rank 0 builds it whole and gives it
+    away; after training (and validation) each rank holds its half of the parameters, and no whole-sized plain
+    parameter stays alive on any rank (the plain copy an earlier version kept for validation)."""
+    for index, rank in enumerate(trained):
+        memory = rank["memory"]
+        assert memory["fsdp_built"] == (memory["ddp_built"] if index == 0 else 0)
+        assert memory["ddp_built"] == memory["parameters"] * 4
+        assert memory["fsdp_whole_tensors"] == 0
+        for name, plain in (("fsdp", "zero1"), ("fsdp_lars", "zero1"), ("fsdp_fp16", "zero1_bf16")):
+            whole = rank[plain]["held_bytes"]
+            assert rank[plain]["built_bytes"] == whole
+            assert rank[name]["built_bytes"] == (whole if index == 0 else 0), name
+            assert 0.45 * whole <= rank[name]["held_bytes"] <= 0.55 * whole, name
 
 
 def test_an_interrupted_fsdp_run_resumes_bitwise_identical(trained: list[dict[str, Any]]) -> None:
