@@ -9,11 +9,14 @@ begin; else a model method `pipeline_stages(p)` returns the p stage modules; els
 runs of equal length. The top-level children must run in order (an nn.Sequential). The loss of the last stage
 comes from the Trial's `pipeline_loss(outputs, targets)`, and batches are `(inputs, targets)`.
 
-Every rank keeps the whole model: it trains only its stage's parameters (the others get no gradient, so the
-optimizer leaves them and keeps no state for them), and before validation, checkpoints and the replica check the
-stages are broadcast from their owners, so validation, `model.pt` and the replica check see one whole model.
-The memory a pipeline saves (activations and optimizer state of one stage) is therefore only partly realised:
-parameters are held whole on every rank.
+Each rank keeps only its own stage's parameters while it trains: the other stages' parameters and buffers keep
+their shapes (and the optimizer its references to them) but their storage is freed (resized to 0 bytes); they get
+no gradient, so the optimizer keeps no state for them. Before validation, a checkpoint and the replica check the
+other stages are allocated again and broadcast from their owners (`unwrap_model`), so those see one whole model;
+the next training step frees them again. The model is built whole on every rank first (the Trial's
+`build_model()`), so construction, validation and checkpoints still hold the whole parameters for a moment.
+The stage shapes the schedule needs are found by the stages in turn (each runs its own part on a microbatch of
+the shape the previous stage announced), since no rank holds the other stages' weights.
 """
 
 from __future__ import annotations
@@ -91,17 +94,25 @@ class PipelineStrategy:
         self._losses: list[torch.Tensor] = []
         self._pipeline_loss: Any = None
         self._stale = False
+        self._released: dict[int, int] = {}  # id(tensor) -> its storage's bytes, for the other stages' tensors
 
     # ------------------------------------------------------------------------------- core protocol
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
+        """Cut the model into stages and free the other stages' storage (this rank trains only its own)."""
         self._model = model
         self._parts = cut_model(model, self.stages, self.split_points)
+        self._sizes = [sum(p.numel() for p in part.parameters()) for part in self._parts]
+        self._release_other_stages()
         return model
 
     def unwrap_model(self) -> nn.Module:
-        """The whole model, its stages gathered from their owners when they changed (collective)."""
+        """The whole model: the other stages allocated again and broadcast from their owners when they were freed
+        or changed (collective); the next training step frees them again."""
         assert self._model is not None, "wrap_model() first"
+        if self._released:
+            self._allocate_other_stages()
+            self._stale = True
         if self._stale:
             self._gather_stages()
         return self._model
@@ -120,10 +131,9 @@ class PipelineStrategy:
         pass
 
     def describe(self) -> dict[str, Any]:
-        sizes = [sum(p.numel() for p in part.parameters()) for part in self._parts]
         return {"name": self.name, "stages": self.stages, "replicas": self.replicas,
                 "microbatches": self.microbatches, "schedule": self.schedule_name,
-                "stage_parameters": sizes,
+                "stage_parameters": self._sizes,
                 "bubble_fraction": (self.stages - 1) / (self.microbatches + self.stages - 1)}
 
     def close(self) -> None:
@@ -141,6 +151,7 @@ class PipelineStrategy:
         inputs, targets = batch
         self._loss_scale = loss_scale
         self._losses = []
+        self._release_other_stages()
         model.train()
         last = self.stage_index == self.stages - 1
         with phases.forward():
@@ -167,6 +178,7 @@ class PipelineStrategy:
 
     def load_model_state_dict(self, state: dict[str, Any]) -> None:
         self.unwrap_model().load_state_dict(state)
+        self._release_other_stages()
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """One optimizer state for the whole model: each parameter's state from the rank of its stage."""
@@ -195,19 +207,59 @@ class PipelineStrategy:
         key = (tuple(micro.shape), micro.dtype, torch.is_autocast_enabled(self.topology.device.type))
         if self._schedule is not None and key == self._schedule_key:
             return
-        with torch.no_grad():
-            stage_input = micro
-            for part in self._parts[:self.stage_index]:
-                stage_input = part(stage_input)
+        stage_input, stage_output = self._stage_shapes(micro)
         if self.stage_index > 0:  # activations from the previous stage carry gradients back to it
             stage_input = stage_input.detach().requires_grad_(True)
-        stage_output = self._parts[self.stage_index](stage_input).detach().requires_grad_(True)
+        stage_output = stage_output.detach().requires_grad_(True)
         stage = PipelineStage(self._parts[self.stage_index], self.stage_index, self.stages, self.topology.device,
                               input_args=(stage_input,), output_args=stage_output, group=self.pipeline_group)
         # every stage gets the loss function: a schedule without one runs no backward pass at all
         self._schedule = SCHEDULES[self.schedule_name](stage, n_microbatches=self.microbatches, loss_fn=self._loss,
                                                        scale_grads=False)
         self._schedule_key = key
+
+    def _stage_shapes(self, micro: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Example input and output of this rank's stage for one microbatch: the stages in turn run their own part
+        on zeros of the shape and dtype the previous stage announced (a broadcast over the pipeline group)."""
+        current = micro
+        mine: tuple[torch.Tensor, torch.Tensor] | None = None
+        for index, part in enumerate(self._parts):
+            announced: list[Any] = [None]
+            if index == self.stage_index:
+                with torch.no_grad():
+                    output = part(current)
+                mine = (current, output)
+                announced = [(tuple(output.shape), output.dtype)]
+            dist.broadcast_object_list(announced, src=dist.get_global_rank(self.pipeline_group, index),
+                                       group=self.pipeline_group)
+            shape, dtype = announced[0]
+            current = torch.zeros(shape, dtype=dtype, device=self.topology.device)
+        assert mine is not None
+        return mine
+
+    def _release_other_stages(self) -> None:
+        """Free the storage of the other stages' parameters and buffers (shapes and identities stay)."""
+        if self._released:
+            return
+        own = self._parts[self.stage_index]
+        kept = {t.untyped_storage().data_ptr() for t in [*own.parameters(), *own.buffers()]}  # tied weights stay
+        for tensor in self._other_tensors():
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in kept or storage.nbytes() == 0:
+                continue
+            self._released[id(tensor)] = storage.nbytes()
+            storage.resize_(0)
+
+    def _allocate_other_stages(self) -> None:
+        """Give the other stages' tensors their storage back (contents follow from `_gather_stages`)."""
+        for tensor in self._other_tensors():
+            if id(tensor) in self._released:
+                tensor.untyped_storage().resize_(self._released[id(tensor)])
+        self._released = {}
+
+    def _other_tensors(self) -> list[torch.Tensor]:
+        return [tensor for index, part in enumerate(self._parts) if index != self.stage_index
+                for tensor in [*part.parameters(), *part.buffers()]]
 
     def _loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = self._pipeline_loss(outputs, targets)

@@ -20,6 +20,7 @@ from dtrain.config import load_config
 from dtrain.data.sharding import ShardedBatchSampler, split_global_batch
 from dtrain.optim.lars import LARS
 from dtrain.runs.rundir import load_run_info, prepare_run_dir
+from dtrain.train.callbacks import StepCallback
 from dtrain.train.rng import seed_everything
 from dtrain.train.trainer import Trainer
 from dtrain.train.trial import TrialContext
@@ -128,6 +129,19 @@ def _recording(trial_class: type) -> type:
     return Recording
 
 
+class _HeldWhileTraining(StepCallback):
+    """The largest number of parameter bytes this rank had allocated before any update (storage actually held:
+    a pipeline frees the other stages' storage while training)."""
+
+    def __init__(self) -> None:
+        self.most = 0
+
+    def before_update(self, step: int, model: torch.nn.Module) -> None:
+        held = sum((p.to_local() if hasattr(p, "to_local") else p).untyped_storage().nbytes()
+                   for p in model.parameters())
+        self.most = max(self.most, held)
+
+
 def _train_all(topology: Topology, root: str, cases: dict[str, dict[str, Any]], extras: bool = True
                ) -> dict[str, Any]:
     sys.path.insert(0, str(FIXTURES))
@@ -142,10 +156,13 @@ def _train_all(topology: Topology, root: str, cases: dict[str, dict[str, Any]], 
         barrier()
         trainer = Trainer(config=config, trial_class=_recording(DigitsTrial), topology=topology,
                           run_info=load_run_info(run_dir))
+        held = _HeldWhileTraining()
+        trainer.callbacks.register(held)
         summary = trainer.fit()
         assert summary["status"] == "completed", summary
         model = trainer.strategy.unwrap_model()
         results[name] = {"held_bytes": _local_bytes(model.parameters()), "built_bytes": trainer.trial.built_bytes,
+                         "training_bytes": held.most,
                          "state": _whole(model), "identical": summary["replicas_identical"]}
         history = getattr(trainer.forward_backward, "history", None)
         if history is not None:
@@ -155,6 +172,8 @@ def _train_all(topology: Topology, root: str, cases: dict[str, dict[str, Any]], 
     results["agreement"] = _agreement(topology)
     results["memory"] = _model_state_bytes(topology)
     results["fsdp_resumed"] = _interrupted_and_resumed(topology, Path(root) / "fsdp_resumed", CASES["fsdp"])
+    results["pipeline_resumed"] = _interrupted_and_resumed(topology, Path(root) / "pipeline_resumed",
+                                                           CASES["pipeline_1f1b"])
     return results
 
 
@@ -228,7 +247,8 @@ def _interrupted_and_resumed(topology: Topology, run_dir: Path, raw: dict[str, A
 
         final = run_dir / "checkpoints" / "step-5"
         result["model_pt"] = torch.load(final / "model.pt", weights_only=True)
-        result["shard_files"] = sorted(p.name for p in (run_dir / "checkpoints" / "sharded" / "step-5").iterdir())
+        shards = run_dir / "checkpoints" / "sharded" / "step-5"
+        result["shard_files"] = sorted(p.name for p in shards.iterdir()) if shards.exists() else []
         export_model(run_dir, run_dir / "exported.pt")
         result["exported"] = torch.load(run_dir / "exported.pt", weights_only=True)
     return result
@@ -338,6 +358,30 @@ def test_fsdp_never_materializes_the_whole_model_on_a_rank(trained: list[dict[st
             assert rank[plain]["built_bytes"] == whole
             assert rank[name]["built_bytes"] == (whole if index == 0 else 0), name
             assert 0.45 * whole <= rank[name]["held_bytes"] <= 0.55 * whole, name
+
+
+def test_an_interrupted_pipeline_run_resumes_bitwise_identical(trained: list[dict[str, Any]]) -> None:
+    """A pipeline checkpoint gathers the stages from their owners (model.pt whole, optimizer state merged);
+    resuming from it frees the other stages again and ends bitwise where the uninterrupted run ends, and the
+    exported model.pt holds the whole model's final weights."""
+    for rank in trained:
+        uninterrupted = rank["pipeline_1f1b"]["state"]
+        assert all(torch.equal(rank["pipeline_resumed"]["state"][k], uninterrupted[k]) for k in uninterrupted)
+    chief = trained[0]["pipeline_resumed"]
+    assert chief["shard_files"] == []
+    for saved in (chief["model_pt"], chief["exported"]):
+        assert set(saved) == set(trained[0]["pipeline_1f1b"]["state"])
+        assert all(torch.equal(saved[k], trained[0]["pipeline_1f1b"]["state"][k]) for k in saved)
+
+
+@pytest.mark.parametrize("name", ["pipeline_gpipe", "pipeline_1f1b"])
+def test_pipeline_ranks_hold_only_their_stage_while_training(trained: list[dict[str, Any]], name: str) -> None:
+    """Stage 0 (Flatten, Linear(64, 16)) and stage 1 (Tanh, Linear(16, 10)) in float64: before every update each
+    rank has allocated only its own stage's parameters; the whole model is back for the final state."""
+    stage_bytes = [(64 * 16 + 16) * 8, (16 * 10 + 10) * 8]
+    for index, rank in enumerate(trained):
+        assert rank[name]["training_bytes"] == stage_bytes[index]
+        assert sum(v.numel() * 8 for v in rank[name]["state"].values()) == sum(stage_bytes)
 
 
 def test_an_interrupted_fsdp_run_resumes_bitwise_identical(trained: list[dict[str, Any]]) -> None:
