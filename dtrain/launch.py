@@ -60,9 +60,31 @@ class LaunchResult:
     message: str | None = None
 
 
-def _worker_environment(nproc_per_node: int, network_interface: str | None = None) -> None:
-    """Variables every worker inherits: thread count, this node's network interface, and a marker for the worker."""
+MALLOC_MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's own ceiling for its adaptive threshold
+_MALLOC_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+_USER_MALLOC_SETTINGS = {name: os.environ[name] for name in _MALLOC_SETTINGS if name in os.environ}
+
+
+def malloc_environment(trim_threshold_mb: int | None, user_settings: dict[str, str] | None = None) -> dict[str, str]:
+    """The glibc malloc variables a worker is started with, so that the activations a training step frees stay in
+    the process for the next step: with glibc's adaptive defaults each step's tens of MB are trimmed back to the OS
+    and page-faulted in again (measured on the demo: 10-25 thousand page faults and about a fifth of the CPU time
+    per step). Nothing when `trim_threshold_mb` is None or the user set any malloc variable of their own."""
+    if trim_threshold_mb is None or (_USER_MALLOC_SETTINGS if user_settings is None else user_settings):
+        return {}
+    return {"MALLOC_TRIM_THRESHOLD_": str(trim_threshold_mb << 20),
+            "MALLOC_MMAP_THRESHOLD_": str(MALLOC_MMAP_THRESHOLD_BYTES)}
+
+
+def _worker_environment(nproc_per_node: int, network_interface: str | None = None,
+                        malloc_trim_threshold_mb: int | None = None) -> None:
+    """Variables every worker inherits: thread count, malloc settings, this node's network interface, and a
+    marker for the worker."""
     os.environ["DTRAIN_LAUNCHER"] = "1"
+    for name in _MALLOC_SETTINGS:  # a previous run of this process (a search's trials) may have set them
+        if name not in _USER_MALLOC_SETTINGS:
+            os.environ.pop(name, None)
+    os.environ.update(malloc_environment(malloc_trim_threshold_mb))
     if network_interface:
         os.environ["DTRAIN_NETWORK_INTERFACE"] = network_interface
     if "OMP_NUM_THREADS" not in os.environ:
@@ -94,7 +116,7 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
     # keep an earlier attempt's keys (pytorch/pytorch#135712; docs/clusters.md, "Restarts across nodes").
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     run_id = node.rdzv_id or (uuid.uuid4().hex if local else f"dtrain-{config.name}")
-    _worker_environment(nproc, node.network_interface)
+    _worker_environment(nproc, node.network_interface, config.optimizations.malloc_trim_threshold_mb)
     (run_dir / FATAL_FILE).unlink(missing_ok=True)
     launch_config = LaunchConfig(
         min_nodes=node.nnodes, max_nodes=node.nnodes, nproc_per_node=nproc, run_id=run_id,

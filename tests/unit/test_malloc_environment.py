@@ -1,0 +1,51 @@
+"""The glibc malloc settings `dtrain run` gives its workers (optimizations.malloc_trim_threshold_mb)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dtrain import launch
+from dtrain.config import load_config
+
+
+def test_default_config_keeps_256_mb_and_fixes_the_mmap_threshold() -> None:
+    trim = load_config(None, raw={"entrypoint": "m:T", "hyperparameters": {"global_batch_size": 8},
+                                  "searcher": {"max_length": {"batches": 1}}}).config.optimizations
+    assert trim.malloc_trim_threshold_mb == 256
+    assert launch.malloc_environment(256, user_settings={}) == {
+        "MALLOC_TRIM_THRESHOLD_": str(256 * 1024 * 1024), "MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024)}
+
+
+def test_null_or_a_users_own_malloc_variable_leaves_glibc_alone() -> None:
+    assert launch.malloc_environment(None, user_settings={}) == {}
+    assert launch.malloc_environment(256, user_settings={"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == {}
+
+
+def test_worker_environment_replaces_what_a_previous_run_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch, "_USER_MALLOC_SETTINGS", {})
+    for name in ("DTRAIN_LAUNCHER", "OMP_NUM_THREADS", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"):
+        monkeypatch.delenv(name, raising=False)
+    launch._worker_environment(2, malloc_trim_threshold_mb=64)
+    assert os.environ["MALLOC_TRIM_THRESHOLD_"] == str(64 << 20)
+    launch._worker_environment(2, malloc_trim_threshold_mb=None)  # the next trial of a search turns it off
+    assert "MALLOC_TRIM_THRESHOLD_" not in os.environ and "MALLOC_MMAP_THRESHOLD_" not in os.environ
+
+
+def test_a_users_variable_survives_the_worker_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch, "_USER_MALLOC_SETTINGS", {"MALLOC_TRIM_THRESHOLD_": "1000"})
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000")
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    launch._worker_environment(2, malloc_trim_threshold_mb=256)
+    assert os.environ["MALLOC_TRIM_THRESHOLD_"] == "1000" and "MALLOC_MMAP_THRESHOLD_" not in os.environ
+
+
+def test_a_negative_threshold_is_refused_with_the_key_named() -> None:
+    from dtrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="malloc_trim_threshold_mb"):
+        load_config(None, raw={"entrypoint": "m:T", "hyperparameters": {"global_batch_size": 8},
+                               "searcher": {"max_length": {"batches": 1}},
+                               "optimizations": {"malloc_trim_threshold_mb": -1}})
