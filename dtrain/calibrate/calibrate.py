@@ -256,12 +256,25 @@ def _compute_worker(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps(asdict(measurement)))
 
 
+def _worker_malloc_environment(config: Path | None, overrides: Sequence[str]) -> dict[str, str]:
+    """The malloc variables `dtrain run` starts the workers of `config` with (the default config's without one)."""
+    from dtrain.config import load_config
+    from dtrain.config.distributed import Optimizations
+    from dtrain.launch import malloc_environment
+
+    trim_mb = (load_config(config, overrides).config.optimizations.malloc_trim_threshold_mb if config is not None
+               else Optimizations.model_fields["malloc_trim_threshold_mb"].default)
+    return malloc_environment(trim_mb)
+
+
 def measure_compute_concurrently(config: Path | None, overrides: Sequence[str] = (), *, batch: int | None = None,
                                  processes: int = 2, threads: int = 1, repeats: int = 10) -> ComputeMeasurement:
     """Time the step in `processes` fresh processes at once, as a node's workers run when all are busy (they
-    share caches, memory bandwidth and whatever else runs on the machine); the median of their medians."""
+    share caches, memory bandwidth and whatever else runs on the machine); the median of their medians. The
+    processes get the malloc settings `dtrain run` would give the config's workers."""
     import subprocess
 
+    environment = {**os.environ, **_worker_malloc_environment(config, overrides)}
     with tempfile.TemporaryDirectory(prefix="dtrain-calibrate-") as tmp:
         go = Path(tmp) / "go"
         outs = [Path(tmp) / f"compute-{i}.json" for i in range(processes)]
@@ -272,7 +285,7 @@ def measure_compute_concurrently(config: Path | None, overrides: Sequence[str] =
         if batch is not None:
             command += ["--batch", str(batch)]
         procs = [subprocess.Popen([*command, "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                  text=True) for out in outs]
+                                  text=True, env=environment) for out in outs]
         deadline = time.monotonic() + 600
         while not all(Path(str(out) + ".ready").exists() for out in outs):
             if any(proc.poll() not in (None, 0) for proc in procs) or time.monotonic() > deadline:

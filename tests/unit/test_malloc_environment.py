@@ -49,3 +49,16 @@ def test_a_negative_threshold_is_refused_with_the_key_named() -> None:
         load_config(None, raw={"entrypoint": "m:T", "hyperparameters": {"global_batch_size": 8},
                                "searcher": {"max_length": {"batches": 1}},
                                "optimizations": {"malloc_trim_threshold_mb": -1}})
+
+
+def test_calibration_processes_get_the_workers_malloc_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pathlib import Path
+
+    from dtrain.calibrate.calibrate import _worker_malloc_environment
+
+    monkeypatch.setattr(launch, "_USER_MALLOC_SETTINGS", {})
+    digits = Path(__file__).resolve().parents[1] / "fixtures" / "digits.yaml"
+    assert _worker_malloc_environment(None, ()) == launch.malloc_environment(256)
+    assert _worker_malloc_environment(digits, ["optimizations.malloc_trim_threshold_mb=64"]) == \
+        launch.malloc_environment(64)
+    assert _worker_malloc_environment(digits, ["optimizations.malloc_trim_threshold_mb=null"]) == {}
