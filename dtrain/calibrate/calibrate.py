@@ -259,11 +259,11 @@ def _compute_worker(args: argparse.Namespace) -> None:
 def _worker_malloc_environment(config: Path | None, overrides: Sequence[str]) -> dict[str, str]:
     """The malloc variables `dtrain run` starts the workers of `config` with (the default config's without one)."""
     from dtrain.config import load_config
-    from dtrain.config.distributed import Optimizations
+    from dtrain.config.distributed import DEFAULT_MALLOC_TRIM_THRESHOLD_MB
     from dtrain.launch import malloc_environment
 
     trim_mb = (load_config(config, overrides).config.optimizations.malloc_trim_threshold_mb if config is not None
-               else Optimizations.model_fields["malloc_trim_threshold_mb"].default)
+               else DEFAULT_MALLOC_TRIM_THRESHOLD_MB)
     return malloc_environment(trim_mb)
 
 

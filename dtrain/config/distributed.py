@@ -19,6 +19,8 @@ from dtrain.config.names import (
     StrategyName,
 )
 
+DEFAULT_MALLOC_TRIM_THRESHOLD_MB = 256  # glibc keeps this much freed memory in each worker (dtrain run, horovodrun)
+
 
 class Optimizations(Section):
     """Gradient accumulation and fusion (Determined's `optimizations`), the memory layout of batches, and how
@@ -54,10 +56,11 @@ class Optimizations(Section):
         default="contiguous", description="layout of 4-D floating input batches and of the model: `channels_last` "
         "(NHWC) gives faster convolutions on CPUs (oneDNN) and on tensor cores")
     malloc_trim_threshold_mb: int | None = Field(
-        default=256, ge=0, description="host memory each worker keeps when it frees it, for the next step to reuse, "
-        "instead of giving it back to the OS and page-faulting it in again (glibc's M_TRIM_THRESHOLD; blocks under "
-        "32 MB then come from the heap, M_MMAP_THRESHOLD); null keeps glibc's adaptive defaults, and so do workers "
-        "started with MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES set")
+        default=DEFAULT_MALLOC_TRIM_THRESHOLD_MB, ge=0, description="host memory each worker keeps when it frees "
+        "it, for the next step to reuse, instead of giving it back to the OS and page-faulting it in again (glibc's "
+        "M_TRIM_THRESHOLD; blocks under 32 MB then come from the heap, M_MMAP_THRESHOLD); null keeps glibc's "
+        "adaptive defaults, and so do workers started with MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_ or "
+        "GLIBC_TUNABLES set")
 
 
 class Compression(Section):

@@ -78,8 +78,12 @@ def real_horovod_installed() -> bool:
 
 
 def environment(run: HorovodRun, state_dir: Path) -> dict[str, str]:
-    """The variables every process gets, from horovodrun's options (Horovod's names, so scripts see them)."""
-    env = {"DTRAIN_HOROVOD_STATE_DIR": str(state_dir)}
+    """The variables every process gets, from horovodrun's options (Horovod's names, so scripts see them), and the
+    malloc settings dtrain run gives its workers."""
+    from dtrain.config.distributed import DEFAULT_MALLOC_TRIM_THRESHOLD_MB
+    from dtrain.launch import malloc_environment
+
+    env = {"DTRAIN_HOROVOD_STATE_DIR": str(state_dir), **malloc_environment(DEFAULT_MALLOC_TRIM_THRESHOLD_MB)}
     env["DTRAIN_HOROVOD_SHIM"] = "1" if run.force or not real_horovod_installed() else "0"
     env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(run.start_timeout))
     if run.network_interface:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -52,8 +53,6 @@ def test_a_negative_threshold_is_refused_with_the_key_named() -> None:
 
 
 def test_calibration_processes_get_the_workers_malloc_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pathlib import Path
-
     from dtrain.calibrate.calibrate import _worker_malloc_environment
 
     monkeypatch.setattr(launch, "_USER_MALLOC_SETTINGS", {})
@@ -62,3 +61,13 @@ def test_calibration_processes_get_the_workers_malloc_settings(monkeypatch: pyte
     assert _worker_malloc_environment(digits, ["optimizations.malloc_trim_threshold_mb=64"]) == \
         launch.malloc_environment(64)
     assert _worker_malloc_environment(digits, ["optimizations.malloc_trim_threshold_mb=null"]) == {}
+
+
+def test_horovodrun_processes_get_the_same_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dtrain.horovod.launcher import HorovodRun, environment
+
+    monkeypatch.setattr(launch, "_USER_MALLOC_SETTINGS", {})
+    env = environment(HorovodRun(command=["true"]), tmp_path)
+    assert env["MALLOC_TRIM_THRESHOLD_"] == str(256 << 20) and env["MALLOC_MMAP_THRESHOLD_"] == str(32 << 20)
+    monkeypatch.setattr(launch, "_USER_MALLOC_SETTINGS", {"MALLOC_TOP_PAD_": "0"})
+    assert "MALLOC_TRIM_THRESHOLD_" not in environment(HorovodRun(command=["true"]), tmp_path)
