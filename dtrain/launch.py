@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtrain.comm.topology import bind_loopback
+from dtrain.comm.topology import JOB_STORE_ENV, bind_loopback
 from dtrain.config import ExperimentConfig
 from dtrain.errors import ExitCode, LaunchError
 from dtrain.runs.fatal import FATAL_FILE, read_fatal
@@ -107,13 +107,15 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
     local = node.nnodes == 1 and node.rdzv_endpoint is None
     keep_alive: list[object] = []
     local_addr: str | None = "127.0.0.1"
-    if local:
+    if local:  # the workers use the rendezvous store too, from start to end on 127.0.0.1, a prefix per attempt
         endpoint = _loopback_rendezvous(node.master_port, keep_alive)
         backend, rdzv_configs = "c10d", dict[str, object](is_host=True)
-    else:
+        os.environ[JOB_STORE_ENV] = endpoint
+    else:  # every round's rank 0 hosts the workers' store, on the chief
         backend, endpoint, rdzv_configs, local_addr = _cluster_rendezvous(node)
-    # Every round's workers host a store of their own (on loopback for one node): the agent's shared store would
-    # keep an earlier attempt's keys (pytorch/pytorch#135712; docs/clusters.md, "Restarts across nodes").
+        os.environ.pop(JOB_STORE_ENV, None)
+    # Never torch's shared agent store: it keeps an earlier attempt's keys, and on several nodes the agents count
+    # attempts differently (pytorch/pytorch#135712; docs/clusters.md, "The workers' store").
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     run_id = node.rdzv_id or (uuid.uuid4().hex if local else f"dtrain-{config.name}")
     _worker_environment(nproc, node.network_interface, config.optimizations.malloc_trim_threshold_mb)

@@ -231,7 +231,7 @@ def init_distributed(*, backend: str = "auto", timeout_seconds: float = 600.0,
             if launch.launcher == "slurm":
                 os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size),
                                   LOCAL_RANK=str(launch.local_rank))
-            store = _loopback_store(launch, timeout) if _owns_loopback_store(launch, environ) else None
+            store = _loopback_store(launch, timeout, environ) if _owns_loopback_store(launch, environ) else None
             dist.init_process_group(chosen, store=store, rank=launch.rank, world_size=launch.world_size,
                                     timeout=timeout)
     return Topology(rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank,
@@ -260,7 +260,7 @@ def _init_with_servers(launch: LaunchEnv, backend: str, timeout_seconds: float,
     if launch.launcher == "slurm":
         os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size), LOCAL_RANK=str(launch.local_rank))
     if _owns_loopback_store(launch, environ):
-        store: dist.Store = _loopback_store(launch, timeout)
+        store: dist.Store = _loopback_store(launch, timeout, environ)
     else:
         store, _, _ = next(dist.rendezvous("env://", rank=launch.rank, world_size=launch.world_size, timeout=timeout))
     JOB_STORE.clear()
@@ -278,14 +278,28 @@ JOB_STORE: list[dist.Store] = []
 
 
 def _owns_loopback_store(launch: LaunchEnv, environ: Mapping[str, str] | None) -> bool:
-    """True when the workers host their own store on a loopback master (not torchrun's shared agent store)."""
+    """True when the workers' store is on a loopback master and not torch's shared agent store: `dtrain run`'s own
+    store, or one that rank 0 hosts (see `_loopback_store`)."""
     env = os.environ if environ is None else environ
     return (launch.master_addr in LOOPBACK_HOSTS and launch.master_port is not None
             and env.get("TORCHELASTIC_USE_AGENT_STORE", "False") != "True")
 
 
-def _loopback_store(launch: LaunchEnv, timeout: timedelta) -> dist.TCPStore:
-    """The workers' key-value store, its server bound to 127.0.0.1 only (TCPStore binds to every interface)."""
+def _loopback_store(launch: LaunchEnv, timeout: timedelta, environ: Mapping[str, str] | None = None) -> dist.Store:
+    """The workers' key-value store on loopback.
+
+    Under `dtrain run` on one machine it is the launcher's own store (JOB_STORE_ENV; it listens on 127.0.0.1 from
+    before the agent starts until the run ends), under a prefix of this attempt. So no port is released between
+    the agent choosing it and rank 0 binding it (the window of torch's get_free_port), and a restarted attempt
+    never reads an earlier attempt's keys: one agent starts every worker of an attempt with the same restart
+    count. Otherwise (plain torchrun with a loopback master) rank 0 hosts it, its server bound to 127.0.0.1 only
+    (TCPStore binds to every interface)."""
+    env = os.environ if environ is None else environ
+    shared = env.get(JOB_STORE_ENV)
+    if shared:
+        host, port = shared.rsplit(":", 1)
+        client = dist.TCPStore(host, int(port), launch.world_size, is_master=False, timeout=timeout)
+        return dist.PrefixStore(f"dtrain/workers/attempt-{launch.restart_count}", client)
     assert launch.master_port is not None
     if launch.rank != 0:
         return dist.TCPStore("127.0.0.1", launch.master_port, launch.world_size, is_master=False, timeout=timeout)
@@ -297,6 +311,7 @@ def _loopback_store(launch: LaunchEnv, timeout: timedelta) -> dist.TCPStore:
 
 
 _KEEP_ALIVE: list[socket.socket] = []
+JOB_STORE_ENV = "DTRAIN_JOB_STORE"  # 127.0.0.1:PORT of `dtrain run`'s own store, on one machine (dtrain/launch.py)
 
 
 def bind_loopback(port: int = 0) -> socket.socket:

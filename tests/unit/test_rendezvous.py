@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
@@ -17,8 +18,9 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from dtrain.comm.rendezvous import BACKEND, NODE_RANK_KEY, NodeRankRendezvous, local_address, register
 from dtrain.comm.stall import store_attempt
-from dtrain.comm.topology import bind_loopback
+from dtrain.comm.topology import JOB_STORE_ENV, LaunchEnv, _loopback_store, bind_loopback
 from dtrain.errors import LaunchError
+from dtrain.launch import _loopback_rendezvous
 
 
 @dataclass
@@ -128,3 +130,24 @@ def test_heartbeat_keys_carry_the_attempt_only_in_a_store_that_outlives_restarts
     another node failed), so every rank must use the same prefix."""
     assert store_attempt(2, {"TORCHELASTIC_USE_AGENT_STORE": "True"}) == 2
     assert store_attempt(1, {"TORCHELASTIC_USE_AGENT_STORE": "False"}) == store_attempt(0, {}) == 0
+
+
+def test_on_one_machine_the_workers_use_the_launchers_store_with_a_prefix_per_attempt() -> None:
+    """comm/topology.py _loopback_store under `dtrain run` on one machine: the store the launcher holds open on
+    127.0.0.1 for the whole run (no port released for rank 0 to bind), and a restarted attempt's keys apart from the
+    last attempt's (the stale keys of torch's shared agent store, pytorch/pytorch#135712)."""
+    keep: list[object] = []
+    env = {JOB_STORE_ENV: _loopback_rendezvous(None, keep)}
+
+    def attempt(count: int, rank: int) -> dist.Store:
+        launch = LaunchEnv(rank=rank, world_size=2, local_rank=rank, local_world_size=2, node_rank=0,
+                           launcher="torchrun", master_addr="127.0.0.1", master_port=1, restart_count=count)
+        return _loopback_store(launch, timedelta(seconds=10), env)
+
+    first = attempt(0, rank=1)
+    first.set("address", "of attempt 0")
+    second = attempt(1, rank=0)
+    assert not second.check(["address"])  # the restarted attempt does not see the last one's key
+    second.set("address", "of attempt 1")
+    assert attempt(1, rank=1).get("address") == b"of attempt 1" and first.get("address") == b"of attempt 0"
+    assert keep[1].get("dtrain/workers/attempt-1/address") == b"of attempt 1"  # type: ignore[attr-defined]
