@@ -112,6 +112,12 @@ def test_one_real_round_of_torchs_c10d_rendezvous_through_the_registry() -> None
         assert (info.rank, info.world_size) == (0, 1)
         assert info.bootstrap_store_info.master_addr == "127.0.0.1"
         assert handler.num_nodes_waiting() == 0 and not handler.use_agent_store
+        # a restart is a new round, whose store is apart from the last one's: the node ranks and the workers'
+        # master address and port that a round publishes are never read from an earlier round
+        again = handler.next_rendezvous()
+        assert again.rank == 0 and again.store.check(["dtrain/node_rank/0"])
+        info.store.set("only-in-round-0", "x")
+        assert not again.store.check(["only-in-round-0"])
     finally:
         handler.shutdown()
     assert register() == BACKEND  # registering again is harmless

@@ -219,7 +219,8 @@ def test_signal_exception_names_its_signal() -> None:
 def test_elastic_environment_variables_dtrain_reads_or_sets() -> None:
     """comm/topology.py reads TORCHELASTIC_USE_AGENT_STORE (set by torch's agent) to know whose store the workers
     use; launch.py sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE (read by torch's c10d rendezvous) so that the
-    workers host their own store on loopback. Both are torch-internal names."""
+    workers never use the agent's shared store (docs/clusters.md, "The workers' store"). Both are torch-internal
+    names. comm/rendezvous.py's use of torch's dynamic handler is checked in tests/unit/test_rendezvous.py."""
     assert "TORCHELASTIC_USE_AGENT_STORE" in inspect.getsource(local_elastic_agent)
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in inspect.getsource(dynamic_rendezvous)
 
