@@ -61,7 +61,8 @@ def test_a_wrong_interface_is_one_line_naming_it_and_the_master(tmp_path: Path) 
             chief = cluster.start(0, cluster.dtrain_run(0, CONFIG, tmp_path / "node0", 29413, SETTINGS),
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             node = cluster.start(1, cluster.dtrain_run(1, CONFIG, tmp_path / "node1", 29413,
-                                                       [*SETTINGS, "--network-interface", "lo"]),
+                                                       [*SETTINGS, "--set", "max_restarts=0",
+                                                        "--network-interface", "lo"]),
                                  stdout=log.open("w"), stderr=subprocess.STDOUT)
             code = node.wait(timeout=300)
             chief.kill()
