@@ -180,7 +180,7 @@ def timing(args: argparse.Namespace) -> None:
                 f"**{headline['time_vs_sklearn']:.3f}**\n"
                 f"- communication share of the 2-rank time (elimination off): {headline['comm_share_2_ranks']:.2f}"
                 f"\n\n{table}\n")
-    write_results("svm", headline, rows, markdown, machine_info())
+    write_results(args.results_name, headline, rows, markdown, machine_info())
     print(markdown)
 
 
@@ -234,6 +234,8 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="the correctness comparison against scikit-learn "
                         "at 1, 2 and 4 ranks instead of the timing")
     parser.add_argument("--check-ranks", type=int, nargs="+", default=[1, 2, 4], help="ranks for --check")
+    parser.add_argument("--results-name", default="svm", help="name of the timing results files in "
+                        "benchmarks/results (default svm; e.g. svm_10000 for a run at another size)")
     args = parser.parse_args()
     if args.quick:
         args.samples, args.rounds = 2000, 2
