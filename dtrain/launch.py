@@ -54,10 +54,17 @@ class NodeSpec:
 
 @dataclass(frozen=True)
 class LaunchResult:
-    """How the workers ended: OK (finished or stopped), FAILED, USER_ERROR or INTERRUPTED."""
+    """How the workers ended: OK (finished or stopped), FAILED, USER_ERROR or INTERRUPTED; `chief` says whether this
+    node ran rank 0 (with --rdzv-endpoint the rendezvous decides which node does)."""
 
     exit_code: ExitCode
     message: str | None = None
+    chief: bool = True
+
+
+def ran_rank_zero(returned: object) -> bool:
+    """Whether the workers whose results the elastic agent returned (global rank -> value) include rank 0."""
+    return isinstance(returned, dict) and 0 in returned
 
 
 MALLOC_MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's own ceiling for its adaptive threshold
@@ -128,7 +135,7 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
     _quiet_torch_elastic_loggers()
     args = ("-u", "-m", "dtrain.worker", "--run-dir", str(run_dir))
     try:
-        elastic_launch(launch_config, entrypoint=sys.executable)(*args)
+        returned = elastic_launch(launch_config, entrypoint=sys.executable)(*args)
     except (SignalException, KeyboardInterrupt) as exc:
         signal_name = getattr(getattr(exc, "sigval", None), "name", "SIGINT")
         latest = run_dir / "checkpoints" / "latest"
@@ -144,7 +151,7 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
             return LaunchResult(ExitCode.INVALID_HP if code == ExitCode.INVALID_HP else ExitCode.USER_ERROR,
                                 str(fatal["message"]))
         return LaunchResult(ExitCode.FAILED, _describe_failure(exc, run_dir))
-    return LaunchResult(ExitCode.OK)
+    return LaunchResult(ExitCode.OK, chief=ran_rank_zero(returned))
 
 
 def _cluster_rendezvous(node: NodeSpec) -> tuple[str, str, dict[str, object], str | None]:

@@ -117,7 +117,7 @@ def run_experiment(args: argparse.Namespace) -> int:
                 store.close()
         passed_on = (ExitCode.USER_ERROR, ExitCode.INVALID_HP, ExitCode.INTERRUPTED)
         return result.exit_code if result.exit_code in passed_on else ExitCode.FAILED
-    if node.node_rank != 0:
+    if node.node_rank != 0 or not result.chief:  # the chief's run dir holds the summary
         return ExitCode.OK
     if config.is_command:
         summary = _command_summary(info, summary, started, config.resources.world_size)

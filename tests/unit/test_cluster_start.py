@@ -68,3 +68,16 @@ def test_dtrain_run_reads_the_pytorchjob_variables(monkeypatch: pytest.MonkeyPat
     assert seen[-1].node_rank == 0 and seen[-1].network_interface == "eth0"  # the command line wins
     monkeypatch.setenv("PET_MASTER_PORT", "many")
     assert main(["run", str(DEMO), "--run-dir", str(tmp_path / "c")]) == ExitCode.USER_ERROR
+
+
+def test_a_node_that_did_not_run_rank_0_ends_ok_without_the_chiefs_summary(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With --rdzv-endpoint every node has --node-rank 0 and the rendezvous picks the chief: the agent returns the
+    global ranks this node ran (ran_rank_zero); a node without rank 0 has no summary and must not say it stopped."""
+    from dtrain.launch import ran_rank_zero
+
+    assert ran_rank_zero({0: None, 1: None}) and not ran_rank_zero({2: None, 3: None}) and not ran_rank_zero(None)
+    monkeypatch.setattr("dtrain.launch.launch_workers", lambda *_: LaunchResult(ExitCode.OK, chief=False))
+    assert main(["run", str(DEMO), "--run-dir", str(tmp_path / "a"), "--nnodes", "2",
+                 "--rdzv-endpoint", "10.0.0.1:29400"]) == ExitCode.OK
+    assert "training" not in capsys.readouterr().out
