@@ -23,7 +23,8 @@ def _median_of(rank: Mapping[str, Any], phases: tuple[str, ...]) -> float:
     return float(sum(medians.get(name, 0.0) for name in phases))
 
 
-PACE_PHASES = ("data", "forward", "backward", "comm_wait")  # one batch's work without the optimizer update
+WAIT_PHASES = ("comm_wait", "all_gather", "reduce_scatter", "bubble")  # waits for the other ranks
+PACE_PHASES = ("data", "forward", "backward", *WAIT_PHASES)  # one batch's work without the optimizer update
 STEP_PHASES = (*PACE_PHASES, "optimizer")
 COMPUTE_PHASES = ("data", "forward", "backward", "optimizer")
 MODEL_PHASES = ("forward", "backward", "optimizer")  # the compute the synthetic-data trial repeats as it was
@@ -46,7 +47,10 @@ def analyse(config: ExperimentConfig, profiles: Mapping[str, Mapping[str, Any]])
     world = config.resources.world_size
     configured = profiles["configured"]
     pace = pace_seconds(configured)
-    comm = percent(pace - pace_seconds(profiles["no_communication"], ("data", "forward", "backward")), pace)
+    if "no_communication" in profiles:
+        comm = percent(pace - pace_seconds(profiles["no_communication"], ("data", "forward", "backward")), pace)
+    else:  # a pipeline (no such trial): the waits its strategy measured
+        comm = percent(statistics.median(_median_of(r, WAIT_PHASES) for r in configured["ranks"]), pace)
     # synthetic data changes only the data phase, so its difference there is the input pipeline's cost
     io = percent(statistics.median(_median_of(real, ("data",)) - _median_of(fake, ("data",)) for real, fake
                                    in zip(configured["ranks"], profiles["synthetic_data"]["ranks"], strict=True)), pace)
@@ -59,6 +63,10 @@ def analyse(config: ExperimentConfig, profiles: Mapping[str, Mapping[str, Any]])
             statistics.median(_median_of(r, ("comm_wait",)) for r in configured["ranks"]), pace),
         "input_overhead_percent": max(io, 0.0),
     }
+    for phase, key in (("all_gather", "all_gather_wait_percent"), ("reduce_scatter", "reduce_scatter_wait_percent"),
+                       ("bubble", "pipeline_bubble_percent")):  # only strategies that time these waits report them
+        if any(rank.get("median_seconds", {}).get(phase, 0.0) > 0 for rank in configured["ranks"]):
+            result[key] = percent(statistics.median(_median_of(r, (phase,)) for r in configured["ranks"]), pace)
     if "one_slot" in profiles:
         single = pace_seconds(profiles["one_slot"], STEP_PHASES)
         result["scaling_efficiency_percent"] = percent(single, pace_seconds(configured, STEP_PHASES))
@@ -102,7 +110,13 @@ def _findings(config: ExperimentConfig, d: Mapping[str, Any]) -> tuple[list[dict
     """Costs of at least BOTTLENECK_PERCENT of the step, largest first, and what to do about each."""
     found: list[tuple[float, str, str]] = []
     comm = d["communication_overhead_percent"]
-    if comm >= BOTTLENECK_PERCENT and d["world_size"] > 1:
+    pipeline = config.distributed.strategy == "pipeline"
+    if pipeline and comm >= BOTTLENECK_PERCENT:
+        p, m = config.distributed.pipeline.stages, config.distributed.pipeline.microbatches
+        found.append((comm, "pipeline bubble",
+                      f"raise distributed.pipeline.microbatches (now {m}: the bubble by formula is (p - 1)/(m + p - 1) "
+                      f"= {(p - 1) / (m + p - 1):.0%}), and move split_points so that the stages take equal time"))
+    elif comm >= BOTTLENECK_PERCENT and d["world_size"] > 1:
         k = config.optimizations.aggregation_frequency
         fixes = [f"raise optimizations.aggregation_frequency (now {k}) to communicate every k-th batch",
                  f"use a larger per-slot batch (global_batch_size now {config.global_batch_size})",
@@ -116,7 +130,8 @@ def _findings(config: ExperimentConfig, d: Mapping[str, Any]) -> tuple[list[dict
                       f"raise data_loader.num_workers (now {config.data_loader.num_workers}); keep decoded data in "
                       "memory (ArrayDataset hands out whole batches); move per-record work out of __getitem__"))
     slow = d["slowest_rank"]
-    if d["world_size"] > 1 and slow["confirmed"] and slow["others_wait_percent"] >= BOTTLENECK_PERCENT:
+    if (d["world_size"] > 1 and slow["confirmed"] and slow["others_wait_percent"] >= BOTTLENECK_PERCENT
+            and not pipeline):  # a pipeline's stages compute different parts: the bubble above covers them
         found.append((slow["others_wait_percent"], f"slowest rank {slow['rank']}",
                       f"rank {slow['rank']} computes {slow['slower_than_others_percent']:.0f}% slower than the others "
                       "and they wait for it: give ranks batches in proportion to their speed with "
@@ -138,6 +153,11 @@ def verdict_lines(d: Mapping[str, Any]) -> list[str]:
              f"communication overhead {d['communication_overhead_percent']:.1f}% of the step "
              f"(exposed wait {d['exposed_communication_wait_percent']:.1f}%)",
              f"input-pipeline overhead {d['input_overhead_percent']:.1f}%"]
+    waits = [f"{label} {d[key]:.1f}%" for key, label in (("all_gather_wait_percent", "FSDP all-gather"),
+                                                          ("reduce_scatter_wait_percent", "FSDP reduce-scatter"),
+                                                          ("pipeline_bubble_percent", "pipeline bubble")) if key in d]
+    if waits:
+        lines.append("waits inside forward and backward: " + ", ".join(waits) + " of the step")
     if "scaling_efficiency_percent" in d:
         lines.append(f"scaling efficiency {d['scaling_efficiency_percent']:.0f}% ({d['samples_per_second']:,.0f} "
                      f"samples/s on {d['world_size']} slots vs {d['one_slot_samples_per_second']:,.0f} on 1)")

@@ -8,9 +8,9 @@ from typing import Any
 
 from dtrain.profile.timers import PHASE_LABELS
 
-CHART_PHASES = ("data", "forward", "backward", "comm_wait", "optimizer")
+CHART_PHASES = ("data", "forward", "backward", "comm_wait", "all_gather", "reduce_scatter", "bubble", "optimizer")
 COLORS = {"data": "#8c564b", "forward": "#1f77b4", "backward": "#2ca02c", "comm_wait": "#d62728",
-          "optimizer": "#9467bd"}
+          "all_gather": "#ff7f0e", "reduce_scatter": "#e377c2", "bubble": "#7f7f7f", "optimizer": "#9467bd"}
 TRIAL_LABELS = {"configured": "as configured", "no_communication": "aggregation 1000",
                 "synthetic_data": "synthetic data", "one_slot": "1 slot"}
 

@@ -46,9 +46,18 @@ def trial_plans(config: ExperimentConfig, steps: int) -> list[TrialPlan]:
     if config.distributed.strategy == "parameter_server" and (server.mode != "sync" or server.backup_workers):
         # only sync mode without backup workers accepts k > 1; with almost no updates the mode makes no difference
         no_communication += ["distributed.parameter_server.mode=sync", "distributed.parameter_server.backup_workers=0"]
-    plans = [TrialPlan("configured", "as configured", common),
-             TrialPlan("no_communication", f"aggregation_frequency {NO_COMMUNICATION_K}", (*common, *no_communication)),
-             TrialPlan("synthetic_data", "synthetic data of the same shapes", (*common, "faults.synthetic_data=true"))]
+    pipeline = config.distributed.strategy == "pipeline"
+    if pipeline:  # one slot holds the whole model and trains one pipeline replica's batch
+        replicas = world // config.distributed.pipeline.stages
+        one_slot = ["resources.slots_per_trial=1", "distributed.strategy=allreduce",
+                    f"hyperparameters.global_batch_size={config.global_batch_size // replicas}",
+                    *_rank_zero_only(config)]
+    plans = [TrialPlan("configured", "as configured", common)]
+    if not pipeline:  # a pipeline's stages communicate every microbatch; its waits are its bubble phase instead
+        plans.append(TrialPlan("no_communication", f"aggregation_frequency {NO_COMMUNICATION_K}",
+                               (*common, *no_communication)))
+    plans.append(TrialPlan("synthetic_data", "synthetic data of the same shapes",
+                           (*common, "faults.synthetic_data=true")))
     if world > 1:
         plans.append(TrialPlan("one_slot", "1 slot, same per-slot batch", (*common, *one_slot)))
     return plans

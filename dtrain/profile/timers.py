@@ -1,6 +1,10 @@
 """Step-phase timers: where each step's time goes on this rank (data wait, forward, backward, exposed
 communication wait, optimizer, checkpoint, ...), cheap enough to stay on in every run.
 
+Waits a strategy measures inside forward or backward (FSDP's all-gathers and reduce-scatters, a pipeline stage's
+time waiting for the other stages: its bubble) are carved out of the phase they happened in (`carve`) and shown
+as phases of their own.
+
 Each phase is timed as its own interval inside the step, so time no phase covers shows up as a gap between the
 phases' sum and the step's wall time. The communication a DDP backward pass overlaps
 with computation is not a phase; only the part the rank waits for after its last gradient is ready
@@ -19,10 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # In step order; a rank's position in a step (for stall reports) is the index of the phase it is in.
-PHASES = ("data", "forward", "backward", "comm_wait", "optimizer", "report", "validation", "checkpoint")
+PHASES = ("data", "forward", "backward", "comm_wait", "all_gather", "reduce_scatter", "bubble", "optimizer", "report",
+          "validation", "checkpoint")
 COMPUTE_PHASES = ("data", "forward", "backward", "optimizer")  # what a rank does without waiting for others
 PHASE_LABELS = {"data": "data wait", "forward": "forward", "backward": "backward",
-                "comm_wait": "exposed communication wait", "optimizer": "optimizer step",
+                "comm_wait": "exposed communication wait", "all_gather": "FSDP all-gather",
+                "reduce_scatter": "FSDP reduce-scatter", "bubble": "pipeline bubble", "optimizer": "optimizer step",
                 "report": "metrics report", "validation": "validation", "checkpoint": "checkpoint"}
 
 
@@ -103,6 +109,7 @@ class StepTimer:
         self._start = 0.0
         self._phases: dict[str, float] = {}
         self._backward_end: float | None = None
+        self._carved: list[tuple[str, str, float]] = []
 
     def set_span_sink(self, sink: Callable[[str, float, float, int], None] | None) -> None:
         self._on_span = sink
@@ -111,7 +118,14 @@ class StepTimer:
         self._step = step
         self._phases = {}
         self._backward_end = None
+        self._carved = []
         self._start = self.clock()
+
+    def carve(self, name: str, seconds: float) -> None:
+        """Record a wait of `seconds` inside the phase running now, to be shown as phase `name` instead (moved at
+        the end of the step, never more than the phase's own time)."""
+        if self.enabled:
+            self._carved.append((self.activity.phase, name, seconds))
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -155,6 +169,12 @@ class StepTimer:
         self.activity = Activity(self._step, "between steps", time.time())
         if not self.enabled:
             return None
+        for within, name, seconds in self._carved:
+            moved = min(seconds, self._phases.get(within, 0.0))
+            if moved > 0:
+                self._phases[within] -= moved
+                self._phases[name] = self._phases.get(name, 0.0) + moved
+        self._carved = []
         record = StepRecord(self._step, self._start, self.clock() - self._start, self._phases, records)
         self.records.append(record)
         return record

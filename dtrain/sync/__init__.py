@@ -20,6 +20,7 @@ from dtrain.sync.base import (
     RunsForwardBackward,
     ShardedConstruction,
     SyncStrategy,
+    TimesWaits,
     TrainBatch,
     WireMetering,
     WritesShardedCheckpoint,
@@ -58,4 +59,4 @@ __all__ = ["REGISTRY", "AllReduceStrategy", "AsynchronousPacing", "BucketObservi
            "ComputePhases", "Consolidating", "FsdpStrategy", "HierarchicalStrategy", "LocalSGDStrategy",
            "OptimizerWrapping", "OwnsCheckpointState", "ParameterServerStrategy", "PipelineStrategy",
            "ReportingMetrics", "RunsForwardBackward", "ShardedConstruction", "StrategyBuilder", "SyncStrategy",
-           "TrainBatch", "WireMetering", "WritesShardedCheckpoint", "Zero1Strategy", "build_strategy"]
+           "TimesWaits", "TrainBatch", "WireMetering", "WritesShardedCheckpoint", "Zero1Strategy", "build_strategy"]

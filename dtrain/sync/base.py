@@ -209,3 +209,15 @@ class CollectiveForward(Protocol):
     share of the validation data on its own."""
 
     collective_forward: bool
+
+
+@runtime_checkable
+class TimesWaits(Protocol):
+    """Measures its own communication waits inside forward and backward (FSDP's all-gathers and reduce-scatters,
+    a pipeline stage's bubble), so the phase timers show them as phases `all_gather`, `reduce_scatter`, `bubble`.
+    Without it those waits stay inside the forward and backward phases."""
+
+    def observe_waits(self, record: Callable[[str, float], None] | None) -> None:
+        """Call `record(phase, seconds)` for every wait from now on (called before `wrap_model`, with the phase
+        timers on); None stops it."""
+        ...

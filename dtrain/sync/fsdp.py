@@ -26,7 +26,8 @@ the model for them. `dtrain export` turns such a checkpoint into a plain `model.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from itertools import chain
 from pathlib import Path
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed import broadcast
+from torch.distributed import all_gather_into_tensor, broadcast, reduce_scatter_tensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -76,6 +77,7 @@ class FsdpStrategy:
         self.topology = topology
         self.reshard_after_forward = reshard_after_forward
         self._sharded: nn.Module | None = None
+        self._record: Callable[[str, float], None] | None = None
 
     # ------------------------------------------------------------------------------- core protocol
 
@@ -98,6 +100,12 @@ class FsdpStrategy:
         for unit in sharding_units(model):
             fully_shard(unit, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
         fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        if self._record is not None:  # the phase timers are on: time every all-gather and reduce-scatter
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    # duck-typed: FSDP2's AllGather/ReduceScatter base classes live in a private module
+                    module.set_custom_all_gather(TimedAllGather(self._record))  # type: ignore[arg-type]
+                    module.set_custom_reduce_scatter(TimedReduceScatter(self._record))  # type: ignore[arg-type]
         model.to_empty(device=self.topology.device)  # this rank's shards only
         set_model_state_dict(model, full, options=BROADCAST_FROM_RANK0)
         _broadcast_buffers(model, transient, self.topology.device)
@@ -138,6 +146,10 @@ class FsdpStrategy:
 
     # ---------------------------------------------------------------------------------- extensions
 
+    def observe_waits(self, record: Callable[[str, float], None] | None) -> None:
+        """TimesWaits: report each all-gather and reduce-scatter's wall time (set before `wrap_model`)."""
+        self._record = record
+
     def model_state_dict(self) -> dict[str, Any]:
         """The whole weights gathered on rank 0 (on the CPU, one tensor at a time); the other ranks get {}."""
         return get_model_state_dict(self._root(), options=FULL_ON_RANK0)
@@ -177,6 +189,42 @@ class FsdpStrategy:
         root = self._root()
         assert isinstance(root, FSDPModule)
         return root
+
+
+class TimedAllGather:
+    """FSDP2's all-gather (`dist.all_gather_into_tensor`, as its default) with its wall time reported as phase
+    `all_gather`. FSDP2 calls it synchronously on the CPU (no separate stream), so the call's time is the wait."""
+
+    def __init__(self, record: Callable[[str, float], None]) -> None:
+        self.record = record
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                 async_op: bool = False) -> Any:
+        started = time.perf_counter()
+        work = all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        self.record("all_gather", time.perf_counter() - started)
+        return work
+
+
+class TimedReduceScatter:
+    """FSDP2's reduce-scatter (`dist.reduce_scatter_tensor`, as its default) with its wall time reported as phase
+    `reduce_scatter` (FSDP2 calls it synchronously)."""
+
+    def __init__(self, record: Callable[[str, float], None]) -> None:
+        self.record = record
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> Any:
+        started = time.perf_counter()
+        work = reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        self.record("reduce_scatter", time.perf_counter() - started)
+        return work
 
 
 def _materialized(model: nn.Module) -> bool:

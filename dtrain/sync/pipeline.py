@@ -21,8 +21,9 @@ the shape the previous stage announced), since no rank holds the other stages' w
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -95,6 +96,9 @@ class PipelineStrategy:
         self._pipeline_loss: Any = None
         self._stale = False
         self._released: dict[int, int] = {}  # id(tensor) -> its storage's bytes, for the other stages' tensors
+        self._record: Callable[[str, float], None] | None = None
+        self._compute_seconds = 0.0  # this stage's own forward and backward compute in the current schedule
+        self._compute_started: list[float] = []
 
     # ------------------------------------------------------------------------------- core protocol
 
@@ -104,6 +108,8 @@ class PipelineStrategy:
         self._parts = cut_model(model, self.stages, self.split_points)
         self._sizes = [sum(p.numel() for p in part.parameters()) for part in self._parts]
         self._release_other_stages()
+        if self._record is not None:
+            self._time_own_compute(self._parts[self.stage_index])
         return model
 
     def unwrap_model(self) -> nn.Module:
@@ -156,12 +162,16 @@ class PipelineStrategy:
         last = self.stage_index == self.stages - 1
         with phases.forward():
             self._prepare_schedule(inputs)
+            self._compute_seconds = 0.0
+            started = time.perf_counter()
             if self.stage_index == 0:
                 self._schedule.step(inputs, target=targets if last else None)
             elif last:
                 self._schedule.step(target=targets)
             else:
                 self._schedule.step()
+            if self._record is not None:  # the schedule's time this stage did not compute: waiting for the others
+                self._record("bubble", max(time.perf_counter() - started - self._compute_seconds, 0.0))
         with phases.backward():
             if communicate and self.replicas > 1:
                 self._average_over_replicas()
@@ -169,6 +179,25 @@ class PipelineStrategy:
             source = dist.get_global_rank(self.pipeline_group, self.stages - 1)
             dist.broadcast(mean, src=source, group=self.pipeline_group)
         return {"loss": mean}
+
+    def observe_waits(self, record: Callable[[str, float], None] | None) -> None:
+        """TimesWaits: report each schedule's bubble, its wall time minus this stage's own forward and backward
+        compute (timed by hooks on the stage's module), so waiting for the other stages and the activations'
+        sends and receives (set before `wrap_model`)."""
+        self._record = record
+
+    def _time_own_compute(self, part: nn.Module) -> None:
+        def begin(*_: Any) -> None:
+            self._compute_started.append(time.perf_counter())
+
+        def end(*_: Any) -> None:
+            if self._compute_started:
+                self._compute_seconds += time.perf_counter() - self._compute_started.pop()
+
+        part.register_forward_pre_hook(begin)
+        part.register_forward_hook(end)
+        part.register_full_backward_pre_hook(begin)
+        part.register_full_backward_hook(end)
 
     def consolidate(self, *, snapshot: bool = False) -> None:
         self.unwrap_model()

@@ -33,6 +33,7 @@ from dtrain.sync import (
     RunsForwardBackward,
     ShardedConstruction,
     SyncStrategy,
+    TimesWaits,
     build_strategy,
 )
 from dtrain.train.advice import StopAdvisor
@@ -234,6 +235,8 @@ class Trainer:
                             synchronize=torch.cuda.synchronize if self.topology.device.type == "cuda" else None)
         if profiler.enabled and self.topology.is_distributed and isinstance(self.strategy, BucketObserving):
             self.strategy.observe_buckets(profiler.timer.buckets, per_bucket=profiler.timeline is not None)
+        if profiler.enabled and self.topology.is_distributed and isinstance(self.strategy, TimesWaits):
+            self.strategy.observe_waits(profiler.timer.carve)
         return profiler
 
     def _resume(self, checkpoint: Checkpoint) -> TrainerState:

@@ -163,6 +163,8 @@ def _train_all(topology: Topology, root: str, cases: dict[str, dict[str, Any]], 
         model = trainer.strategy.unwrap_model()
         results[name] = {"held_bytes": _local_bytes(model.parameters()), "built_bytes": trainer.trial.built_bytes,
                          "training_bytes": held.most,
+                         "waits": {phase: summary["profile"]["ranks"][topology.rank]["mean_seconds"].get(phase, 0.0)
+                                   for phase in ("all_gather", "reduce_scatter", "bubble")},
                          "state": _whole(model), "identical": summary["replicas_identical"]}
         history = getattr(trainer.forward_backward, "history", None)
         if history is not None:
@@ -358,6 +360,17 @@ def test_fsdp_never_materializes_the_whole_model_on_a_rank(trained: list[dict[st
             assert rank[plain]["built_bytes"] == whole
             assert rank[name]["built_bytes"] == (whole if index == 0 else 0), name
             assert 0.45 * whole <= rank[name]["held_bytes"] <= 0.55 * whole, name
+
+
+@pytest.mark.parametrize("name", sorted({**CASES, **PRECISION_CASES}))
+def test_fsdp_collectives_and_the_pipeline_bubble_are_phases_of_their_own(trained: list[dict[str, Any]],
+                                                                          name: str) -> None:
+    """dtrain diagnose's phases: FSDP's all-gathers and reduce-scatters and a pipeline stage's bubble are carved out
+    of forward and backward (present, not compared in size), and no other strategy reports them."""
+    expected = ({"all_gather", "reduce_scatter"} if name.startswith("fsdp")
+                else {"bubble"} if name.startswith("pipeline") else set())
+    for rank in trained:
+        assert {phase for phase, seconds in rank[name]["waits"].items() if seconds > 0} == expected
 
 
 def test_an_interrupted_pipeline_run_resumes_bitwise_identical(trained: list[dict[str, Any]]) -> None:

@@ -56,6 +56,18 @@ def test_one_slot_gets_three_trials_and_an_uneven_batch_keeps_its_per_slot_size(
     assert load(*one_slot.overrides).global_batch_size == 32  # each of the 2 slots trains on 65 // 2 = 32
 
 
+def test_a_pipeline_gets_no_aggregation_trial_and_its_one_slot_trial_trains_one_replicas_batch() -> None:
+    """aggregation_frequency > 1 is refused with a pipeline, and 1 slot cannot hold 2 stages: the one-slot trial runs
+    the whole model (allreduce) on one pipeline replica's batch."""
+    config = load("resources.slots_per_trial=4", "distributed.strategy=pipeline", "distributed.pipeline.stages=2")
+    plans = {plan.name: plan for plan in trial_plans(config, 8)}
+    assert list(plans) == ["configured", "synthetic_data", "one_slot"]
+    one_slot = load("resources.slots_per_trial=4", "distributed.strategy=pipeline", "distributed.pipeline.stages=2",
+                    *plans["one_slot"].overrides)
+    assert (one_slot.resources.world_size, one_slot.distributed.strategy, one_slot.global_batch_size) == (
+        1, "allreduce", 64 // 2)
+
+
 @pytest.mark.parametrize("faults", [
     ("faults.slow_rank=1", "faults.slow_factor=2"),
     ("faults.hang_rank=1", "faults.hang_at_step=3"),
@@ -248,3 +260,33 @@ def test_one_slot_runs_name_no_communication_or_straggler_bottleneck() -> None:
     assert result["communication_overhead_percent"] == pytest.approx(40.0, abs=1e-9)  # measured, but not a finding
     assert result["bottleneck"] == "compute" and result["findings"] == []
     assert not any(line.startswith(("scaling efficiency", "slowest rank")) for line in result["verdict"])
+
+
+def test_a_pipeline_run_reports_its_bubble_and_fsdp_its_collectives_from_the_measured_waits() -> None:
+    """No aggregation trial for a pipeline: its communication is the bubble its stages measured (here 60 of 100 ms
+    on the median rank), and the advice is the pipeline's own; FSDP's all-gather and reduce-scatter waits are
+    reported beside the trial-based communication overhead."""
+    config = load("resources.slots_per_trial=4", "distributed.strategy=pipeline", "distributed.pipeline.stages=2",
+                  "distributed.pipeline.microbatches=4")
+    ranks = []
+    for bubble in (0.05, 0.06, 0.06, 0.07):
+        one = rank(0.0, 0.1 - bubble, 0.0)
+        one["median_seconds"]["bubble"] = bubble
+        ranks.append(one)
+    found = analyse(config, {"configured": {"ranks": ranks}, "synthetic_data": {"ranks": ranks}})
+    assert found["pipeline_bubble_percent"] == pytest.approx(60.0)
+    assert found["communication_overhead_percent"] == pytest.approx(60.0)
+    assert found["bottleneck"] == "pipeline bubble"
+    assert "microbatches (now 4: the bubble by formula is (p - 1)/(m + p - 1) = 20%)" in found["advice"][0]
+    assert "waits inside forward and backward: pipeline bubble 60.0% of the step" in verdict_lines(found)
+    assert "all_gather_wait_percent" not in found
+
+    fsdp = load("distributed.strategy=fsdp")
+    sharded = [rank(0.0, 0.04, 0.04) for _ in range(2)]
+    for one in sharded:
+        one["median_seconds"].update(all_gather=0.015, reduce_scatter=0.005)
+    plain = [rank(0.0, 0.04, 0.04) for _ in range(2)]
+    found = analyse(fsdp, profiles(sharded, plain, sharded))
+    assert found["all_gather_wait_percent"] == pytest.approx(15.0)
+    assert found["reduce_scatter_wait_percent"] == pytest.approx(5.0)
+    assert "pipeline_bubble_percent" not in found

@@ -68,6 +68,28 @@ def test_a_repeated_phase_accumulates_and_a_new_step_starts_from_zero() -> None:
     assert second.start == pytest.approx(first.start + first.seconds, abs=TOL)
 
 
+def test_carved_waits_move_out_of_the_phase_they_happened_in_and_no_more_than_its_time() -> None:
+    """FSDP's all-gathers (in forward and backward), its reduce-scatters and a pipeline's bubble become phases."""
+    clock = FakeClock()
+    timer = StepTimer(clock=clock)
+    timer.begin_step(1)
+    with timer.phase("forward"):
+        clock.advance(1.0)
+        timer.carve("all_gather", 0.25)
+        timer.carve("bubble", 0.5)
+    with timer.phase("backward"):
+        clock.advance(0.5)
+        timer.carve("all_gather", 0.125)
+        timer.carve("reduce_scatter", 2.0)  # more than the phase took: capped at what is left of it
+    record = timer.end_step(8)
+    assert record is not None
+    assert record.phases == pytest.approx({"forward": 0.25, "all_gather": 0.375, "bubble": 0.5, "backward": 0.0,
+                                           "reduce_scatter": 0.375}, abs=TOL)
+    assert sum(record.phases.values()) == pytest.approx(1.5, abs=TOL)
+    second = timed_step(timer, clock, 2, [("forward", 0.5)])  # nothing carries over to the next step
+    assert second is not None and second.phases == pytest.approx({"forward": 0.5}, abs=TOL)
+
+
 def test_split_backward_moves_the_wait_after_the_last_ready_bucket_into_comm_wait() -> None:
     clock = FakeClock(0.0)
     timer = StepTimer(clock=clock)
@@ -228,8 +250,9 @@ def test_phase_means_and_rank_profile_by_hand() -> None:
                _record(3, 1.5, 32, data=0.3, forward=0.2, backward=0.6, comm_wait=0.2, optimizer=0.1)]
     means = phase_means(records[1:])
     assert set(means) == {*PHASES, "step"}
-    expected = {"data": 0.2, "forward": 0.2, "backward": 0.5, "comm_wait": 0.1, "optimizer": 0.1, "report": 0.0,
-                "validation": 0.0, "checkpoint": 0.0, "step": 1.25}
+    expected = {"data": 0.2, "forward": 0.2, "backward": 0.5, "comm_wait": 0.1, "all_gather": 0.0,
+                "reduce_scatter": 0.0, "bubble": 0.0, "optimizer": 0.1, "report": 0.0, "validation": 0.0,
+                "checkpoint": 0.0, "step": 1.25}
     assert means == pytest.approx(expected, abs=TOL)
     assert phase_means([]) == {}
 

@@ -35,6 +35,7 @@ from dtrain.sync import (
     RunsForwardBackward,
     ShardedConstruction,
     SyncStrategy,
+    TimesWaits,
     TrainBatch,
     WireMetering,
     build_strategy,
@@ -48,7 +49,8 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 ONE_PROCESS = Topology(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, backend="gloo",
                        device=torch.device("cpu"), launcher="none")
 EXTENSIONS = (AsynchronousPacing, BucketObserving, CollectiveForward, Consolidating, OptimizerWrapping,
-              OwnsCheckpointState, ReportingMetrics, RunsForwardBackward, ShardedConstruction, WireMetering)
+              OwnsCheckpointState, ReportingMetrics, RunsForwardBackward, ShardedConstruction, TimesWaits,
+              WireMetering)
 RAW: dict[str, Any] = {
     "name": "plugins", "entrypoint": "digits_trial:DigitsTrial",
     "hyperparameters": {"global_batch_size": 24, "learning_rate": 0.5, "momentum": 0.9, "float64": True,
@@ -99,11 +101,11 @@ def test_zero1_adds_a_sharded_optimizer_and_its_checkpoint_state_to_allreduce() 
         BucketObserving, WireMetering, OptimizerWrapping, OwnsCheckpointState, Consolidating}
 
 
-def test_fsdp_is_the_core_plus_sharded_construction_collective_forward_and_checkpoint_state() -> None:
+def test_fsdp_is_the_core_plus_sharded_construction_collective_forward_checkpoint_state_and_waits() -> None:
     strategy = FsdpStrategy(ONE_PROCESS)  # no Consolidating: no plain copy of the model to refresh
     assert isinstance(strategy, SyncStrategy)
     assert {kind for kind in EXTENSIONS if isinstance(strategy, kind)} == {
-        ShardedConstruction, CollectiveForward, OwnsCheckpointState}
+        ShardedConstruction, CollectiveForward, OwnsCheckpointState, TimesWaits}
 
 
 def test_parameter_server_is_the_core_plus_pacing_consolidation_and_metrics() -> None:
