@@ -189,6 +189,9 @@ class DeterminedTrial(Trial):
             self.det_context._forward_target = None
         loss = self.det_context._end_batch()
         if self.eager:
+            scaler = self.det_context._scaler
+            if communicate and scaler is not None and scaler.is_enabled():
+                scaler.update()  # once per update, after every optimizer stepped (as Determined's loop does)
             step_schedulers(self.det_context.lr_schedulers, index, aggregation_frequency=frequency,
                             batches_per_epoch=per_epoch)
         if (index + 1) % per_epoch == 0:

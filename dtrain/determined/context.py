@@ -297,8 +297,7 @@ class PyTorchTrialContext:
         if clip_grads is not None:
             clip_grads(iter(parameters))
         if scaler is not None and scaler.is_enabled():
-            scaler.step(optimizer)
-            scaler.update()
+            scaler.step(optimizer)  # the scale is updated once per update, after train_batch (adapter.py)
         else:
             optimizer.step()
         if auto_zero_grads:

@@ -157,7 +157,7 @@ def check_config_for_eager(config: Any, models: int, optimizers: int) -> None:
     if config.compression.name != "none":
         raise ConfigError(f"compression.name {config.compression.name}: {what}, uncompressed; remove compression")
     lb = config.large_batch
-    if lb.optimizer != "trial" or lb.schedules_lr:
+    if lb.optimizer != "trial" or lb.schedules_lr or lb.batch_size_schedule is not None:
         raise ConfigError(f"large_batch: {what} with its own optimizers and schedulers; remove the large_batch "
                           "section")
     from dtrain.config import effective_precision

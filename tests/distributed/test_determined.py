@@ -3,7 +3,8 @@ slots: the legacy PyTorchTrial (also with a worker SIGKILLed and restarted) and 
 1e-9 (float64) of the same model written as a native dtrain Trial on 1 slot; a PyTorchTrial with two models and two
 optimizers (gan_def.py) on 2 slots with gradient aggregation ends within 1e-9 of a plain torch loop in one process
 (gan_reference.py); the Core API script on 2 slots and on
-1 slot, killed with SIGKILL mid-run and resumed from `latest_checkpoint` by the restart, end at the same weights; a
+1 slot, killed with SIGKILL mid-run and resumed from `latest_checkpoint` by the restart, end at the same weights;
+adaptive ASHA stops Trainer-API and Core API trials where the searcher says (two searches side by side); a
 script that uses no Determined API runs on every slot. The legacy trial's reducer (a median over both slots'
 records) and its callback state (restored after the kill) and the two-model trial's evaluate_full_dataset (the chief
 over all records) are checked on the same runs. The runs start five at a time, side by side (the machine's
@@ -152,37 +153,50 @@ def test_core_api_metrics_reach_the_store(runs: dict[str, tuple[Path, subprocess
     assert float(summary["validation"]["validation_loss"]) < 0.5  # type: ignore[index]
 
 
-def test_adaptive_asha_stops_trainer_api_trials_exactly_where_the_searcher_says(tmp_path: Path) -> None:
-    """A search over the Trainer-API script, one trial at a time: each trial the searcher stopped ended at the rung
-    whose record stopped it (status `stopped`, its checkpoint kept), the others trained to max_time; the
-    decisions replay from the rung values in the study by Determined's rule."""
+def test_adaptive_asha_stops_trainer_api_and_core_api_trials_exactly_where_the_searcher_says(tmp_path: Path) -> None:
+    """Two searches side by side (each one trial at a time, on one slot: the machine's two cores), over the
+    Trainer-API script and over the Core API script (which leaves when `preempt.should_preempt()` says so): each
+    trial the searcher stopped ended at the rung whose record stopped it (status `stopped`, its checkpoint kept),
+    the others trained to max_time; the decisions replay from the rung values in the study by Determined's rule."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DTRAIN_LAUNCHER", "DTRAIN_RUN_DIR")}
+    env["DTRAIN_RUNS_ROOT"] = str(tmp_path / "runs")
+    searches = {"asha.yaml": ("determined_trainer_asha", tmp_path / "trainer"),
+                "core_asha.yaml": ("determined_core_asha", tmp_path / "core")}
+    started = {config: subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", str(TRIALS / config), "--slots",
+                                         "1", "--search-dir", str(search_dir)], stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, env=env)
+               for config, (_, search_dir) in searches.items()}
+    for config, process in started.items():
+        out, err = process.communicate(timeout=600)
+        assert process.returncode == 0, config + out[-3000:] + err[-2000:]
+    for config, (study_name, search_dir) in searches.items():
+        _check_asha_decisions(study_name, search_dir, core_api=config.startswith("core"))
+
+
+def _check_asha_decisions(study_name: str, search_dir: Path, *, core_api: bool) -> None:
     import optuna
 
     from dtrain.search import asha
 
-    search_dir = tmp_path / "asha"
-    env = {k: v for k, v in os.environ.items() if k not in ("DTRAIN_LAUNCHER", "DTRAIN_RUN_DIR")}
-    env["DTRAIN_RUNS_ROOT"] = str(tmp_path / "runs")
-    done = subprocess.run([sys.executable, "-m", "dtrain.cli", "run", str(TRIALS / "asha.yaml"), "--slots", "1",
-                           "--search-dir", str(search_dir)], capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert asha.plan(3, 4, 2, 5, "aggressive")[0].units == (2, 4)
-    study = optuna.load_study(study_name="determined_trainer_asha", storage=f"sqlite:///{search_dir / 'study.db'}")
+    study = optuna.load_study(study_name=study_name, storage=f"sqlite:///{search_dir / 'study.db'}")
     trials = sorted(study.get_trials(), key=lambda t: t.number)
     assert len(trials) == 3
     rung = asha.Rung()
     for t in trials:  # one at a time: the order of the trials is the order of the rung records
         expected = "completed" if rung.continue_training(t.user_attrs["rung_0"], 2, smaller_is_better=True) \
             else "stopped"
-        summary = json.loads((search_dir / f"trial-{t.number}" / "summary.json").read_text())
+        trial_dir = search_dir / f"trial-{t.number}"
+        summary = json.loads((trial_dir / "summary.json").read_text())
         if expected == "stopped":
-            assert t.state == optuna.trial.TrialState.PRUNED, t.number
+            assert t.state == optuna.trial.TrialState.PRUNED, (study_name, t.number)
             assert summary["status"] == "stopped" and summary["steps_completed"] == 2, summary
-            assert (search_dir / f"trial-{t.number}" / "checkpoints" / "step-2").is_dir()
+            kept = trial_dir / "checkpoints" / ("determined" if core_api else "step-2")
+            assert kept.is_dir() and any(kept.iterdir())
         else:
-            assert t.state == optuna.trial.TrialState.COMPLETE, t.number
+            assert t.state == optuna.trial.TrialState.COMPLETE, (study_name, t.number)
             assert summary["status"] == "completed" and summary["steps_completed"] == 4, summary
-    assert any(t.state == optuna.trial.TrialState.PRUNED for t in trials)
+    assert any(t.state == optuna.trial.TrialState.PRUNED for t in trials), study_name
 
 
 def test_two_models_and_optimizers_on_two_slots_match_a_one_process_loop(

@@ -126,3 +126,33 @@ def test_settings_that_need_dtrain_to_own_the_step_are_one_line(tmp_path: Path, 
     with pytest.raises(ConfigError, match=named) as caught:
         _train(tmp_path / "run", AdversarialTrial.__dtrain_trial__(), **changes)
     assert "\n" not in str(caught.value) and "2 model(s) and 2 optimizer(s)" in str(caught.value)
+
+
+def test_a_grad_scaler_with_two_optimizers_is_exact(tmp_path: Path) -> None:
+    """backward(scaler.scale(loss)) for both losses: each optimizer's gradients are unscaled before its clip and
+    step, the scale is updated once per update; scaling by a power of two is exact, so the weights equal the
+    unscaled trial's."""
+    from gan_def import AdversarialTrial, adversarial_losses, clip, generator_loss
+
+    class Scaled(AdversarialTrial):
+        def __init__(self, context: Any) -> None:
+            super().__init__(context)
+            self.scaler = context.wrap_scaler(torch.amp.GradScaler("cpu", init_scale=2.0 ** 10))
+
+        def train_batch(self, batch: Any, epoch_idx: int, batch_idx: int) -> dict[str, Any]:
+            inputs, targets = batch
+            critic_loss, generated = adversarial_losses(self.generator, self.critic, inputs, targets)
+            self.context.backward(self.scaler.scale(critic_loss))
+            self.context.step_optimizer(self.d_opt, scaler=self.scaler)
+            self.critic.requires_grad_(False)
+            g_loss = generator_loss(self.critic, inputs, generated, targets)
+            self.context.backward(self.scaler.scale(g_loss))
+            self.critic.requires_grad_(True)
+            self.context.step_optimizer(self.g_opt, clip_grads=clip, scaler=self.scaler)
+            return {"critic_loss": critic_loss, "generator_loss": g_loss}
+
+    plain, _ = _train(tmp_path / "plain", AdversarialTrial.__dtrain_trial__())
+    scaled, summary = _train(tmp_path / "scaled", Scaled.__dtrain_trial__())
+    assert summary["status"] == "completed"
+    assert _max_difference(scaled.model.state_dict(), plain.model.state_dict()) == 0.0
+    assert scaled.trial.det_trial.scaler._get_growth_tracker() == 8  # one update per batch, none overflowed
