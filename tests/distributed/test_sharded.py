@@ -46,9 +46,11 @@ def case(strategy: str, **distributed: Any) -> dict[str, Any]:
     return raw
 
 
+UNEVEN_VALIDATION = {"hyperparameters": {**RAW["hyperparameters"], "validation_records": 359},
+                     "data_loader": {"validation_batch_size": 179}}
 CASES: dict[str, dict[str, Any]] = {
-    "zero1": case("zero1"),
-    "fsdp": case("fsdp"),
+    "zero1": {**case("zero1"), **UNEVEN_VALIDATION},
+    "fsdp": {**case("fsdp"), **UNEVEN_VALIDATION},
     "fsdp_keep_gathered": case("fsdp", fsdp={"reshard_after_forward": False}),
     "fsdp_lars": {**case("fsdp"), "large_batch": LARS_SETTINGS},
     "zero1_lars": {**case("zero1"), "large_batch": LARS_SETTINGS},
@@ -126,6 +128,14 @@ def _recording(trial_class: type) -> type:
             self.built_bytes = _local_bytes(model.parameters())
             return model
 
+        def build_validation_data(self) -> torch.utils.data.Dataset:
+            """`validation_records` of them: 359 split 180/179 over 2 ranks, with validation_batch_size 179 rank 0
+            evaluates 2 batches and rank 1 one (under FSDP it must run one more forward pass to keep rank 0
+            company)."""
+            data = super().build_validation_data()
+            keep = self.context.hparams.get("validation_records")
+            return data if keep is None else torch.utils.data.TensorDataset(*(t[:keep] for t in data.tensors))
+
     return Recording
 
 
@@ -163,6 +173,7 @@ def _train_all(topology: Topology, root: str, cases: dict[str, dict[str, Any]], 
         model = trainer.strategy.unwrap_model()
         results[name] = {"held_bytes": _local_bytes(model.parameters()), "built_bytes": trainer.trial.built_bytes,
                          "training_bytes": held.most,
+                         "validation": [v["metrics"] for v in trainer.state.validation_history],
                          "waits": {phase: summary["profile"]["ranks"][topology.rank]["mean_seconds"].get(phase, 0.0)
                                    for phase in ("all_gather", "reduce_scatter", "bubble")},
                          "state": _whole(model), "identical": summary["replicas_identical"]}
@@ -371,6 +382,18 @@ def test_fsdp_collectives_and_the_pipeline_bubble_are_phases_of_their_own(traine
                 else {"bubble"} if name.startswith("pipeline") else set())
     for rank in trained:
         assert {phase for phase, seconds in rank[name]["waits"].items() if seconds > 0} == expected
+
+
+def test_fsdp_validation_with_unequal_batch_counts_per_rank_equals_zero1s(trained: list[dict[str, Any]]) -> None:
+    """359 validation records in batches of 179: rank 0 evaluates 2 batches, rank 1 one plus, under FSDP, a forward
+    pass whose outputs are dropped (without it FSDP's all-gathers would pair up wrongly). The metrics equal ZeRO-1's
+    (the same weights within 1e-9) on both ranks."""
+    for rank in trained:
+        fsdp, zero1 = rank["fsdp"]["validation"], rank["zero1"]["validation"]
+        assert fsdp and len(fsdp) == len(zero1)
+        for sharded, plain in zip(fsdp, zero1, strict=True):
+            assert sharded.keys() == plain.keys()
+            assert all(sharded[k] == pytest.approx(plain[k], rel=1e-9) for k in plain), (sharded, plain)
 
 
 def test_an_interrupted_pipeline_run_resumes_bitwise_identical(trained: list[dict[str, Any]]) -> None:
