@@ -151,11 +151,19 @@ def launch(run: HorovodRun) -> int:
     nodes, nproc, node_rank, master = layout(run)
     keep_alive: list[object] = []
     rdzv_configs: dict[str, object]
+    local_addr: str | None = "127.0.0.1"
     if nodes == 1:
         endpoint, backend, rdzv_configs = _loopback_rendezvous(None, keep_alive), "c10d", {"is_host": True}
-        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    else:
-        endpoint, backend, rdzv_configs = f"{master}:{run.master_port}", "static", {"rank": node_rank}
+    else:  # torch's c10d rendezvous keeping --node-rank: a failure on one host restarts every host's processes
+        from dtrain.comm.rendezvous import NODE_RANK_KEY, local_address, register
+
+        endpoint, backend = f"{master}:{run.master_port}", register()
+        rdzv_configs = {"is_host": node_rank == 0, NODE_RANK_KEY: node_rank}
+        from dtrain.comm.topology import interface_addresses
+
+        chosen = interface_addresses().get(run.network_interface) if run.network_interface else None
+        local_addr = local_address(master, chosen)
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # never the agent's shared store (docs/clusters.md)
     rdzv_configs["join_timeout"] = int(run.start_timeout)
     state_dir = Path(tempfile.mkdtemp(prefix="dtrain-horovodrun-"))
     os.environ.update(environment(run, state_dir))
@@ -163,10 +171,11 @@ def launch(run: HorovodRun) -> int:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         os.environ["OMP_NUM_THREADS"] = str(max(cores // nproc, 1))
     restarts = run.reset_limit if run.reset_limit is not None else (3 if run.elastic else 0)
-    config = LaunchConfig(min_nodes=nodes, max_nodes=nodes, nproc_per_node=nproc, run_id=state_dir.name,
+    run_id = state_dir.name if nodes == 1 else f"dtrain-horovodrun-{master}-{run.master_port}"  # the same on every host
+    config = LaunchConfig(min_nodes=nodes, max_nodes=nodes, nproc_per_node=nproc, run_id=run_id,
                           rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs,
                           max_restarts=restarts, monitor_interval=0.2,
-                          local_addr="127.0.0.1" if nodes == 1 else None)
+                          local_addr=local_addr)
     if not run.verbose:
         _quiet_torch_elastic_loggers()
     try:
