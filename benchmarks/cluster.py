@@ -16,10 +16,13 @@ Needs root and iproute2 (`ip`, `tc`): `unavailable_reason()` says why not, so te
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -145,12 +148,35 @@ def emulated_cluster(nodes: int = 2, rate: str | None = "200mbit", *, subnet: st
             if process.poll() is None:
                 process.kill()
                 process.wait()
-        for node in built:
+        for node in built:  # what those processes left: torch's agent starts each worker in a session of its own
+            _kill_everything_in(node.namespace)
             subprocess.run(["ip", "netns", "del", node.namespace], capture_output=True)
         for link in links:
             subprocess.run(["ip", "link", "del", link], capture_output=True)
         if bridge:
             subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+
+
+def _kill_everything_in(namespace: str) -> None:
+    """SIGKILL every process still in `namespace` (workers orphaned by a killed agent would otherwise live on
+    until their rendezvous times out), and wait until they are gone."""
+    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
+    pids = [int(pid) for pid in listed if pid.isdigit()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while pids and time.monotonic() < deadline:
+        pids = [pid for pid in pids if _alive(pid)]
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` is still running (a zombie waiting for its parent to reap it is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def measure_link_mbit_per_s(cluster: Cluster, megabytes: int = 8) -> float:
