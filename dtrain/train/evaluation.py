@@ -36,7 +36,6 @@ class Evaluator:
     def evaluate(self, model: nn.Module, batch_size: int) -> dict[str, float]:
         """The metrics over the whole validation data (a collective: every rank calls it together)."""
         model.eval()
-        self.trial.validation_started()
         shard = validation_shard(len(self.data), self.topology.rank, self.topology.world_size)
         sums: dict[str, float] = {"__records": 0.0}
         starts = range(shard.start, shard.stop, batch_size)
@@ -44,6 +43,7 @@ class Evaluator:
         with torch.no_grad():
             for _ in range(extra):  # a forward pass that only keeps the other ranks' collectives company
                 self.trial.evaluate_batch(self._batch(range(min(batch_size, len(self.data)))), model)
+            self.trial.validation_started()  # after the padding: what a Trial counts from here (reducers) is real
             for first in starts:
                 batch = self._batch(range(first, min(first + batch_size, shard.stop)))
                 outputs = self.trial.evaluate_batch(batch, model)
