@@ -14,22 +14,18 @@ from typing import Any
 import pytest
 import torch
 
-from dtrain.comm import Topology
 from dtrain.config import load_config
 from dtrain.data.sharding import split_global_batch
-from dtrain.determined import SHIM, install_import_path
+from dtrain.determined import SHIM
 from dtrain.determined.adapter import PyTorchTrial, adapter_for
 from dtrain.determined.command import check_command, resolve_argv
 from dtrain.determined.context import PyTorchTrialContext
 from dtrain.determined.pytorch import DataLoader, LRScheduler
 from dtrain.errors import ConfigError, InvalidHP, TrialError
-from dtrain.runs.rundir import load_run_info, prepare_run_dir
 from dtrain.train.trainer import Trainer
 from dtrain.train.trial import TrialContext
+from tests.unit.determined_support import train, trials_on_path
 
-TRIALS = Path(__file__).resolve().parents[1] / "determined_trials"
-ONE_PROCESS = Topology(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, backend="gloo",
-                       device=torch.device("cpu"), launcher="none")
 RAW: dict[str, Any] = {
     "name": "det-unit", "entrypoint": "model_def:RegressionTrial",
     "hyperparameters": {"global_batch_size": 32, "learning_rate": 0.05},
@@ -40,23 +36,11 @@ RAW: dict[str, Any] = {
 
 @pytest.fixture(autouse=True)
 def _trials_on_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    install_import_path()
-    monkeypatch.syspath_prepend(str(TRIALS))
-    for name in ("model_def", "data", "native"):  # Determined's module names: other tests import their own
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    yield from trials_on_path(monkeypatch, ("model_def", "data", "native"))
 
 
 def _train(run_dir: Path, trial_class: Any, **changes: Any) -> tuple[Trainer, dict[str, Any]]:
-    raw = copy.deepcopy(RAW)
-    raw.update(changes)
-    config = load_config(None, raw=raw).config
-    prepare_run_dir(config, run_dir, TRIALS)
-    trainer = Trainer(config=config, trial_class=trial_class, topology=ONE_PROCESS, run_info=load_run_info(run_dir))
-    return trainer, trainer.fit()
+    return train(RAW, run_dir, trial_class, **changes)
 
 
 def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:
