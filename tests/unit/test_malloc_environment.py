@@ -10,13 +10,18 @@ import pytest
 from dtrain import launch
 from dtrain.config import load_config
 
+MINIMAL = {"entrypoint": "m:T", "hyperparameters": {"global_batch_size": 8}, "searcher": {"max_length": {"batches": 1}}}
+
+
+def _expected(trim_mb: int) -> dict[str, str]:
+    """The variables written out by hand: trim threshold in bytes, the mmap threshold fixed at 32 MiB."""
+    return {"MALLOC_TRIM_THRESHOLD_": str(trim_mb * 1024 * 1024), "MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024)}
+
 
 def test_default_config_keeps_256_mb_and_fixes_the_mmap_threshold() -> None:
-    trim = load_config(None, raw={"entrypoint": "m:T", "hyperparameters": {"global_batch_size": 8},
-                                  "searcher": {"max_length": {"batches": 1}}}).config.optimizations
+    trim = load_config(None, raw=MINIMAL).config.optimizations
     assert trim.malloc_trim_threshold_mb == 256
-    assert launch.malloc_environment(256, user_settings={}) == {
-        "MALLOC_TRIM_THRESHOLD_": str(256 * 1024 * 1024), "MALLOC_MMAP_THRESHOLD_": str(32 * 1024 * 1024)}
+    assert launch.malloc_environment(256, user_settings={}) == _expected(256)
 
 
 def test_null_or_a_users_own_malloc_variable_leaves_glibc_alone() -> None:
@@ -47,9 +52,7 @@ def test_a_negative_threshold_is_refused_with_the_key_named() -> None:
     from dtrain.errors import ConfigError
 
     with pytest.raises(ConfigError, match="malloc_trim_threshold_mb"):
-        load_config(None, raw={"entrypoint": "m:T", "hyperparameters": {"global_batch_size": 8},
-                               "searcher": {"max_length": {"batches": 1}},
-                               "optimizations": {"malloc_trim_threshold_mb": -1}})
+        load_config(None, raw={**MINIMAL, "optimizations": {"malloc_trim_threshold_mb": -1}})
 
 
 def test_calibration_processes_get_the_workers_malloc_settings(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,9 +60,8 @@ def test_calibration_processes_get_the_workers_malloc_settings(monkeypatch: pyte
 
     monkeypatch.setattr(launch, "_USER_MALLOC_SETTINGS", {})
     digits = Path(__file__).resolve().parents[1] / "fixtures" / "digits.yaml"
-    assert _worker_malloc_environment(None, ()) == launch.malloc_environment(256)
-    assert _worker_malloc_environment(digits, ["optimizations.malloc_trim_threshold_mb=64"]) == \
-        launch.malloc_environment(64)
+    assert _worker_malloc_environment(None, ()) == _expected(256)
+    assert _worker_malloc_environment(digits, ["optimizations.malloc_trim_threshold_mb=64"]) == _expected(64)
     assert _worker_malloc_environment(digits, ["optimizations.malloc_trim_threshold_mb=null"]) == {}
 
 
@@ -68,6 +70,6 @@ def test_horovodrun_processes_get_the_same_defaults(tmp_path: Path, monkeypatch:
 
     monkeypatch.setattr(launch, "_USER_MALLOC_SETTINGS", {})
     env = environment(HorovodRun(command=["true"]), tmp_path)
-    assert env["MALLOC_TRIM_THRESHOLD_"] == str(256 << 20) and env["MALLOC_MMAP_THRESHOLD_"] == str(32 << 20)
+    assert {name: env.get(name) for name in _expected(256)} == _expected(256)
     monkeypatch.setattr(launch, "_USER_MALLOC_SETTINGS", {"MALLOC_TOP_PAD_": "0"})
     assert "MALLOC_TRIM_THRESHOLD_" not in environment(HorovodRun(command=["true"]), tmp_path)
