@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -97,8 +97,8 @@ class PipelineStrategy:
         self._stale = False
         self._released: dict[int, int] = {}  # id(tensor) -> its storage's bytes, for the other stages' tensors
         self._record: Callable[[str, float], None] | None = None
-        self._compute_seconds = 0.0  # this stage's own forward and backward compute in the current schedule
-        self._compute_started: list[float] = []
+        self._compute_seconds = 0.0  # this stage's own forward, loss and backward compute in the current schedule
+        self.computing = False  # True while this stage runs its own forward, loss or backward (not a wait)
 
     # ------------------------------------------------------------------------------- core protocol
 
@@ -108,8 +108,6 @@ class PipelineStrategy:
         self._parts = cut_model(model, self.stages, self.split_points)
         self._sizes = [sum(p.numel() for p in part.parameters()) for part in self._parts]
         self._release_other_stages()
-        if self._record is not None:
-            self._time_own_compute(self._parts[self.stage_index])
         return model
 
     def unwrap_model(self) -> nn.Module:
@@ -181,23 +179,24 @@ class PipelineStrategy:
         return {"loss": mean}
 
     def observe_waits(self, record: Callable[[str, float], None] | None) -> None:
-        """TimesWaits: report each schedule's bubble, its wall time minus this stage's own forward and backward
-        compute (timed by hooks on the stage's module), so waiting for the other stages and the activations'
-        sends and receives (set before `wrap_model`)."""
+        """TimesWaits: report each schedule's bubble, its wall time minus this stage's own forward, loss and
+        backward compute (timed around the stage's forward_one_chunk and backward_one_chunk calls and the loss), so
+        waiting for the other stages and the activations' sends and receives."""
         self._record = record
 
-    def _time_own_compute(self, part: nn.Module) -> None:
-        def begin(*_: Any) -> None:
-            self._compute_started.append(time.perf_counter())
-
-        def end(*_: Any) -> None:
-            if self._compute_started:
-                self._compute_seconds += time.perf_counter() - self._compute_started.pop()
-
-        part.register_forward_pre_hook(begin)
-        part.register_forward_hook(end)
-        part.register_full_backward_pre_hook(begin)
-        part.register_full_backward_hook(end)
+    @contextmanager
+    def own_compute(self) -> Iterator[None]:
+        """Time a span of this stage's own compute into the current schedule's total (outermost span only)."""
+        if self.computing:
+            yield
+            return
+        self.computing = True
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._compute_seconds += time.perf_counter() - started
+            self.computing = False
 
     def consolidate(self, *, snapshot: bool = False) -> None:
         self.unwrap_model()
@@ -240,8 +239,9 @@ class PipelineStrategy:
         if self.stage_index > 0:  # activations from the previous stage carry gradients back to it
             stage_input = stage_input.detach().requires_grad_(True)
         stage_output = stage_output.detach().requires_grad_(True)
-        stage = PipelineStage(self._parts[self.stage_index], self.stage_index, self.stages, self.topology.device,
-                              input_args=(stage_input,), output_args=stage_output, group=self.pipeline_group)
+        stage = _TimedStage(self._parts[self.stage_index], self.stage_index, self.stages, self.topology.device,
+                            input_args=(stage_input,), output_args=stage_output, group=self.pipeline_group,
+                            timer=self.own_compute)
         # every stage gets the loss function: a schedule without one runs no backward pass at all
         self._schedule = SCHEDULES[self.schedule_name](stage, n_microbatches=self.microbatches, loss_fn=self._loss,
                                                        scale_grads=False)
@@ -291,9 +291,10 @@ class PipelineStrategy:
                 for tensor in [*part.parameters(), *part.buffers()]]
 
     def _loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = self._pipeline_loss(outputs, targets)
-        self._losses.append(loss.detach())
-        return loss * (self._loss_scale / self.microbatches)
+        with self.own_compute():
+            loss = self._pipeline_loss(outputs, targets)
+            self._losses.append(loss.detach())
+            return loss * (self._loss_scale / self.microbatches)
 
     def _average_over_replicas(self) -> None:
         grads = [p.grad for p in self._parts[self.stage_index].parameters() if p.grad is not None]
@@ -320,6 +321,28 @@ class PipelineStrategy:
         stage_of = {id(p): s for s, part in enumerate(self._parts) for p in part.parameters()}
         ordered = [p for group in optimizer.param_groups for p in group["params"]]
         return {index: stage_of[id(p)] for index, p in enumerate(ordered) if id(p) in stage_of}
+
+
+class _TimedStage(PipelineStage):
+    """A PipelineStage whose own forward and backward passes run inside `timer()`. The schedule waits for its
+    receives outside these calls, so what they time is compute. (Module hooks cannot time the first stage's
+    backward: with no input that requires a gradient, a full backward hook fires before the backward pass.)"""
+
+    def __init__(self, *args: Any, timer: Callable[[], AbstractContextManager[None]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._timer = timer
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        with self._timer():
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> None:
+        with self._timer():
+            super().backward_one_chunk(*args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> None:
+        with self._timer():
+            super().backward_weight_one_chunk(*args, **kwargs)
 
 
 def _trial_loss(train_batch: TrainBatch) -> Any:

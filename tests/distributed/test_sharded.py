@@ -104,6 +104,37 @@ def _agreement(topology: Topology) -> dict[str, Any]:
             "params": [p.detach().clone() for p in model.parameters()]}
 
 
+def _pipeline_compute_spans(topology: Topology, schedule: str) -> dict[str, Any]:
+    """One step of a 2-stage pipeline (4 microbatches) whose bubble is timed: for every gradient this rank's stage
+    computes, whether the stage's own-compute timer was open at that moment (the bubble is the schedule's time
+    outside it), and how many bubbles were recorded."""
+    from contextlib import nullcontext
+
+    from dtrain.sync.pipeline import PipelineStrategy
+
+    class Trial:
+        def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(outputs, targets)
+
+        def train_batch(self, batch: Any, model: torch.nn.Module) -> Any:
+            raise NotImplementedError
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
+    strategy = PipelineStrategy(topology, stages=2, microbatches=4, schedule=schedule)
+    bubbles: list[float] = []
+    strategy.observe_waits(lambda phase, seconds: bubbles.append(seconds))
+    model = strategy.wrap_model(model)
+    inside: list[bool] = []
+    own = strategy._parts[strategy.stage_index]
+    for parameter in own.parameters():
+        parameter.register_hook(lambda grad: inside.append(strategy.computing) or grad)
+    phases = type("Phases", (), {"forward": lambda self: nullcontext(), "backward": lambda self: nullcontext()})()
+    strategy.forward_backward(model, (torch.randn(8, 6), torch.randint(0, 3, (8,))), Trial().train_batch,
+                              loss_scale=1.0, communicate=True, phases=phases)
+    return {"gradients_inside": inside, "parameters": len(list(own.parameters())), "bubbles": len(bubbles)}
+
+
 def _whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state with sharded tensors gathered whole (a collective under FSDP)."""
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
@@ -183,6 +214,7 @@ def _train_all(topology: Topology, root: str, cases: dict[str, dict[str, Any]], 
     if not extras:
         return results
     results["agreement"] = _agreement(topology)
+    results["compute_spans"] = {schedule: _pipeline_compute_spans(topology, schedule) for schedule in ("gpipe", "1f1b")}
     results["memory"] = _model_state_bytes(topology)
     results["fsdp_resumed"] = _interrupted_and_resumed(topology, Path(root) / "fsdp_resumed", CASES["fsdp"])
     results["pipeline_resumed"] = _interrupted_and_resumed(topology, Path(root) / "pipeline_resumed",
@@ -382,6 +414,19 @@ def test_fsdp_collectives_and_the_pipeline_bubble_are_phases_of_their_own(traine
                 else {"bubble"} if name.startswith("pipeline") else set())
     for rank in trained:
         assert {phase for phase, seconds in rank[name]["waits"].items() if seconds > 0} == expected
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_bubble_excludes_every_stages_own_backward(trained: list[dict[str, Any]], schedule: str) -> None:
+    """A stage's bubble is its schedule's time outside its own compute; every gradient of its own parameters (4
+    microbatches each) is computed inside that compute on both stages, the first stage included (whose input needs
+    no gradient: a module's full backward hook fires there before the backward pass, so hooks counted the first
+    stage's whole backward as bubble)."""
+    for rank in trained:
+        spans = rank["compute_spans"][schedule]
+        assert spans["bubbles"] == 1
+        assert len(spans["gradients_inside"]) == 4 * spans["parameters"] > 0
+        assert all(spans["gradients_inside"]), spans
 
 
 def test_fsdp_validation_with_unequal_batch_counts_per_rank_equals_zero1s(trained: list[dict[str, Any]]) -> None:
