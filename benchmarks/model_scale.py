@@ -10,10 +10,13 @@ accuracy against fp32 on the Fashion-MNIST demo.
 2. Memory cap (2 processes, root): each worker joins its own cgroup v1 memory group (a child of this process's
    group) after start-up, limited to `--cap-gb` between FSDP2's need and DDP's; the kernel's OOM killer ends a
    worker past it. DDP must fail to train, FSDP2 must train. Without root the part is skipped with the reason.
-3. Pipeline (2 processes, p = 2): ideal time = one process's forward+backward of the whole batch / p (no
-   bubble, no communication), measured = dtrain's pipeline strategy (GPipe) on the same batch; efficiency =
-   ideal / measured for m = 2, 4, 8 against m / (m + p - 1). Rounds alternate the two; the headline
-   `pipeline_efficiency_error_max` is the largest |median efficiency - formula| (target <= 0.08).
+3. Pipeline (2 processes, p = 2, wide MLP width 1024, batch 256, 1 thread each, `dtrain run`'s malloc settings):
+   measured T = dtrain's pipeline strategy (GPipe and 1F1B) on the batch; ideal T_ideal = m x the time per stage
+   of one microbatch, from a 1-stage run (the whole model's forward+backward on batch/m rows in one of the same
+   processes) / p, as the reference defines it; efficiency = T_ideal / T for m = 2, 4, 8 against m / (m + p - 1).
+   The earlier ideal (the 1-stage run on the whole batch / p, which ignores that a microbatch runs slower per
+   row than the whole batch) is reported beside it. Rounds alternate the two; the headline
+   `pipeline_efficiency_error_max` is the largest |median GPipe efficiency - formula| (target <= 0.08).
 4. Precision (1 process): step time of the wide MLP in bf16 and fp16 autocast over fp32, paired per round.
 5. Accuracy (full run only): `dtrain run examples/fashion_mnist/distributed.yaml` for 3 epochs on 2 workers in
    fp32, bf16 and fp16; the difference in validation accuracy (target: within 0.5 points).
@@ -43,6 +46,7 @@ sys.path.insert(0, str(REPO / "examples" / "wide_mlp"))
 from common import dtrain_run, machine_info, markdown_table, median, ratio_headline, write_results  # noqa: E402
 
 WIDTH, BLOCKS, INPUTS, CLASSES = 2560, 8, 256, 10
+PIPELINE_BATCH, PIPELINE_WIDTH = 256, 1024
 GB = 1e9
 
 
@@ -71,8 +75,10 @@ def _entry(rank: int, world: int, port: int, fn: Any, args: tuple[Any, ...], que
         queue.put((rank, {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}))
 
 
-def spawn(fn: Any, world: int, *args: Any, timeout: float = 900) -> list[dict[str, Any]]:
-    """Run `fn(topology, *args)` on `world` processes; a process that dies without answering (the OOM killer of
+def spawn(fn: Any, world: int, *args: Any, timeout: float = 900, env: dict[str, str] | None = None
+          ) -> list[dict[str, Any]]:
+    """Run `fn(topology, *args)` on `world` processes (started with `env` added to this process's environment:
+    what glibc reads at start-up must be there before); a process that dies without answering (the OOM killer of
     a memory cap) ends the run at once and is reported with its exit code."""
     import queue as queues
 
@@ -82,8 +88,14 @@ def spawn(fn: Any, world: int, *args: Any, timeout: float = 900) -> list[dict[st
     queue = context.Queue()
     port = _free_port()
     procs = [context.Process(target=_entry, args=(rank, world, port, fn, args, queue)) for rank in range(world)]
-    for proc in procs:
-        proc.start()
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        for proc in procs:
+            proc.start()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     results: dict[int, dict[str, Any]] = {}
     deadline = time.monotonic() + timeout
     try:
@@ -263,9 +275,12 @@ def _oom_kills(group: Path) -> int | None:
 # ------------------------------------------------------------------------------------------- 3. pipeline
 
 
-def _pipeline(topology: Any, microbatches: list[int], rounds: int, batch: int, width: int) -> dict[str, Any]:
-    """Per round: rank 0 times the whole model's forward+backward alone (rank 1 waits), then both run the
-    pipeline strategy (GPipe, p=2) for each m. Median of 3 steps each, after a warm-up step."""
+def _pipeline(topology: Any, microbatches: list[int], schedules: list[str], rounds: int, batch: int,
+              width: int) -> dict[str, Any]:
+    """Per round, in alternating order: the 1-stage run (rank 0 alone, rank 1 waiting in a barrier: the whole
+    model's forward+backward in one process on the whole batch and on one microbatch of each size, and each stage
+    alone on a microbatch), and the pipeline strategy on both ranks for each schedule and m. Every time is the
+    median of 3 after a warm-up, in the same worker processes (same threads, allocator, model and batch)."""
     from contextlib import nullcontext
 
     import torch
@@ -273,7 +288,7 @@ def _pipeline(topology: Any, microbatches: list[int], rounds: int, batch: int, w
     import torch.nn.functional as F
     from model_def import build_wide_mlp  # type: ignore[attr-defined]  # examples/wide_mlp's, on sys.path here
 
-    from dtrain.sync.pipeline import PipelineStrategy
+    from dtrain.sync.pipeline import PipelineStrategy, cut_model
 
     class Trial:
         def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -293,68 +308,132 @@ def _pipeline(topology: Any, microbatches: list[int], rounds: int, batch: int, w
     inputs, labels = torch.randn(batch, INPUTS), torch.randint(0, CLASSES, (batch,))
     trial, phases = Trial(), Phases()
     strategies = {}
-    for m in microbatches:
-        model = build_wide_mlp(INPUTS, width, BLOCKS, CLASSES)
-        strategy = PipelineStrategy(topology, stages=2, microbatches=m, schedule="gpipe")
-        strategies[m] = (strategy, strategy.wrap_model(model))
+    for schedule in schedules:
+        for m in microbatches:
+            model = build_wide_mlp(INPUTS, width, BLOCKS, CLASSES)
+            strategy = PipelineStrategy(topology, stages=2, microbatches=m, schedule=schedule)
+            strategies[f"{schedule}_m{m}"] = (strategy, strategy.wrap_model(model))
     reference = build_wide_mlp(INPUTS, width, BLOCKS, CLASSES)
+    first, last = cut_model(reference, 2, [])  # the same cut as the strategy's (equal runs of children)
 
-    def timed(run: Any) -> float:
+    def median_of_3(run: Any, synchronized: bool) -> float:
         run()
         times = []
         for _ in range(3):
-            dist.barrier()
+            if synchronized:
+                dist.barrier()
             started = time.perf_counter()
             run()
             times.append(time.perf_counter() - started)
         return sorted(times)[1]
 
-    out: dict[str, list[float]] = {"whole": []}
-    for _ in range(rounds):
+    def one_stage(rows: int, part: str) -> Any:
+        x, y = inputs[:rows], labels[:rows]
+        if part == "stage1":
+            with torch.no_grad():
+                x = first(x)
+            x.requires_grad_(True)  # as the pipeline's second stage receives it: its input gradient is sent back
+
+        def run() -> None:
+            if part == "whole":
+                F.cross_entropy(reference(x), y).backward()
+            elif part == "stage0":
+                first(x).backward(torch.ones(rows, width))
+            else:
+                F.cross_entropy(last(x), y).backward()
+            reference.zero_grad(set_to_none=True)
+        return run
+
+    sizes = sorted({batch} | {batch // m for m in microbatches}, reverse=True)
+    out: dict[str, list[float]] = {}
+
+    def alone() -> None:
         if topology.rank == 0:
-            def whole() -> None:
-                F.cross_entropy(reference(inputs), labels).backward()
-                reference.zero_grad(set_to_none=True)
-            whole()
-            out["whole"].append(sorted(_time_alone(whole) for _ in range(3))[1])
+            for rows in sizes:
+                for part in ("whole", "stage0", "stage1"):
+                    out.setdefault(f"{part}_b{rows}", []).append(median_of_3(one_stage(rows, part), False))
         dist.barrier()
-        for m, (strategy, model) in strategies.items():
-            def piped(strategy: Any = strategy, model: Any = model) -> None:
+
+    def piped() -> None:
+        for key, (strategy, model) in strategies.items():
+            def step(strategy: Any = strategy, model: Any = model) -> None:
                 strategy.forward_backward(model, (inputs, labels), trial.train_batch, loss_scale=1.0,
                                           communicate=True, phases=phases)
                 model.zero_grad(set_to_none=True)
-            out.setdefault(f"m{m}", []).append(timed(piped))
-    return out
+            out.setdefault(key, []).append(median_of_3(step, True))
+
+    for round_ in range(rounds):
+        for run in ((alone, piped) if round_ % 2 == 0 else (piped, alone)):
+            run()
+    return {"threads": torch.get_num_threads(), "times": out}
 
 
-def _time_alone(run: Any) -> float:
-    started = time.perf_counter()
-    run()
-    return time.perf_counter() - started
+def dtrain_run_malloc() -> dict[str, str]:
+    """The glibc malloc settings `dtrain run` starts its workers with (dtrain.launch), so that the pipeline and its
+    1-stage run train as dtrain does: with glibc's adaptive defaults a step's freed activations went back to the OS
+    and were page-faulted in again (about 14,000 minor faults per forward+backward of the whole batch)."""
+    from dtrain.config.distributed import DEFAULT_MALLOC_TRIM_THRESHOLD_MB
+    from dtrain.launch import malloc_environment
+
+    return malloc_environment(DEFAULT_MALLOC_TRIM_THRESHOLD_MB)
 
 
-def pipeline_rows(microbatches: list[int], rounds: int, log: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def pipeline_rows(microbatches: list[int], schedules: list[str], rounds: int, batch: int, width: int,
+                  log: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Efficiency = T_ideal / T per round, for two ideals. Headline (the reference's definition): T_ideal = m x the
+    time per stage of one microbatch, from the 1-stage run on a microbatch of batch/m rows, divided by p. Beside it
+    (this benchmark's earlier definition): the 1-stage run on the whole batch / p, which ignores that microbatches
+    run at a different speed than the whole batch."""
     from dtrain.plan.memory import pipeline_efficiency
 
-    log(f"pipeline: p=2, m={microbatches}, {rounds} rounds ...")
-    ranks = spawn(_pipeline, 2, microbatches, rounds, 256, 1024, timeout=1200)
+    stages = 2
+    log(f"pipeline: p={stages}, m={microbatches}, {'/'.join(schedules)}, batch {batch}, width {width}, "
+        f"{rounds} rounds ...")
+    ranks = spawn(_pipeline, 2, microbatches, schedules, rounds, batch, width, timeout=1200, env=dtrain_run_malloc())
     if any("error" in r for r in ranks):
         raise RuntimeError(f"pipeline: {ranks}")
-    times = ranks[0]
-    rows, errors, headline = [], [], {}
-    for m in microbatches:
-        measured = times[f"m{m}"]
-        ideal = [whole / 2 for whole in times["whole"]]
-        ratio = ratio_headline(f"pipeline_efficiency_m{m}", ideal, measured)
-        formula = pipeline_efficiency(2, m)
-        error = abs(ratio[f"pipeline_efficiency_m{m}"] - formula)
-        errors.append(error)
-        headline.update(ratio)
-        efficiency = ratio[f"pipeline_efficiency_m{m}"]
-        rows.append({"part": "pipeline", "microbatches": m, "stages": 2, "efficiency": efficiency,
-                     "formula": formula, "error": error, "pipeline_seconds": measured, "ideal_seconds": ideal})
-        log(f"  m={m}: efficiency {ratio[f'pipeline_efficiency_m{m}']:.3f} (formula {formula:.3f})")
-    headline["pipeline_efficiency_error_max"] = max(errors)
+    times = ranks[0]["times"]
+    rows: list[dict[str, Any]] = []
+    headline: dict[str, Any] = {}
+    errors: dict[str, list[float]] = {}
+    for schedule in schedules:
+        for m in microbatches:
+            rows_per_micro = batch // m
+            measured = times[f"{schedule}_m{m}"]
+            ideal = [m * t / stages for t in times[f"whole_b{rows_per_micro}"]]
+            ideal_whole_batch = [t / stages for t in times[f"whole_b{batch}"]]
+            suffix = f"m{m}" if schedule == "gpipe" else f"{schedule}_m{m}"
+            ratio = ratio_headline(f"pipeline_efficiency_{suffix}", ideal, measured)
+            old = ratio_headline(f"pipeline_efficiency_whole_batch_ideal_{suffix}", ideal_whole_batch, measured)
+            formula = pipeline_efficiency(stages, m)
+            efficiency = ratio[f"pipeline_efficiency_{suffix}"]
+            efficiency_old = old[f"pipeline_efficiency_whole_batch_ideal_{suffix}"]
+            errors.setdefault(schedule, []).append(abs(efficiency - formula))
+            errors.setdefault(f"{schedule}_whole_batch_ideal", []).append(abs(efficiency_old - formula))
+            headline.update(ratio)
+            headline[f"pipeline_efficiency_whole_batch_ideal_{suffix}"] = efficiency_old
+            headline[f"pipeline_efficiency_whole_batch_ideal_{suffix}_per_round"] = \
+                old[f"pipeline_efficiency_whole_batch_ideal_{suffix}_per_round"]
+            stage0, stage1 = times[f"stage0_b{rows_per_micro}"], times[f"stage1_b{rows_per_micro}"]
+            rows.append({"part": "pipeline", "schedule": schedule, "microbatches": m, "stages": stages,
+                         "microbatch_rows": rows_per_micro, "efficiency": efficiency,
+                         "efficiency_per_round": ratio[f"pipeline_efficiency_{suffix}_per_round"],
+                         "efficiency_whole_batch_ideal": efficiency_old, "formula": formula,
+                         "error": abs(efficiency - formula), "error_whole_batch_ideal": abs(efficiency_old - formula),
+                         "pipeline_seconds": measured, "ideal_seconds": ideal,
+                         "ideal_whole_batch_seconds": ideal_whole_batch,
+                         "stage0_seconds": stage0, "stage1_seconds": stage1,
+                         "stage_balance": median([b / a for a, b in zip(stage0, stage1, strict=True)])})
+            log(f"  {schedule} m={m}: efficiency {efficiency:.3f} (formula {formula:.3f}; with the whole-batch ideal "
+                f"{efficiency_old:.3f}); stage 1 / stage 0 time {rows[-1]['stage_balance']:.2f}")
+    headline["pipeline_efficiency_error_max"] = max(errors["gpipe"])
+    headline["pipeline_efficiency_error_max_per_round"] = [
+        max(abs(headline[f"pipeline_efficiency_m{m}_per_round"][r] - pipeline_efficiency(stages, m))
+            for m in microbatches) for r in range(rounds)]
+    for key, values in errors.items():
+        if key != "gpipe":
+            headline[f"pipeline_efficiency_error_max_{key}"] = max(values)
+    headline["pipeline_threads_per_process"] = [r["threads"] for r in ranks]
     return rows, headline
 
 
@@ -476,7 +555,8 @@ def main() -> None:
         headline["memory_cap_fsdp_peak_gb"] = max(found[1]["max_usage_bytes_per_rank"]) / GB
 
     def pipeline() -> None:
-        found, found_headline = pipeline_rows([2, 4, 8], rounds, log)
+        found, found_headline = pipeline_rows([2, 4, 8], ["gpipe", "1f1b"], rounds, PIPELINE_BATCH, PIPELINE_WIDTH,
+                                              log)
         rows.extend(found)
         headline.update(found_headline)
 
@@ -505,7 +585,8 @@ def main() -> None:
     name = args.results_name or ("model_scale_accuracy" if args.accuracy_only else "model_scale")
     path = write_results(name, headline, rows, markdown, machine_info(),
                          extra={"settings": {"quick": args.quick, "rounds": rounds, "width": WIDTH, "blocks": BLOCKS,
-                                             "cap_gb": args.cap_gb}})
+                                             "cap_gb": args.cap_gb, "pipeline_batch": PIPELINE_BATCH,
+                                             "pipeline_width": PIPELINE_WIDTH, "pipeline_malloc": dtrain_run_malloc()}})
     print(markdown)
     print(f"model_scale: wrote {path}")
 
@@ -533,10 +614,17 @@ def _markdown(headline: dict[str, Any], rows: list[dict[str, Any]], args: argpar
                                   for r in capped])]
     pipe = [r for r in rows if r["part"] == "pipeline"]
     if pipe:
-        lines += ["", "Pipeline efficiency (p = 2, GPipe; ideal = whole model in one process / p):", "",
-                  markdown_table(["m", "measured", "formula m/(m+p-1)", "error"],
-                                 [[r["microbatches"], f"{r['efficiency']:.3f}", f"{r['formula']:.3f}",
-                                   f"{r['error']:.3f}"] for r in pipe])]
+        lines += ["", "Pipeline efficiency T_ideal / T (p = 2, wide MLP width 1024, batch 256, 1 thread per process, "
+                  "dtrain run's malloc settings). Headline ideal (the reference's): T_ideal = m x the 1-stage run's "
+                  "forward+backward of one microbatch (batch/m rows) / p. Beside it, the earlier ideal: the 1-stage "
+                  "run of the whole batch / p. Medians of the per-round ratios:", "",
+                  markdown_table(["schedule", "m", "efficiency", "per round", "formula m/(m+p-1)", "error",
+                                  "whole-batch ideal (error)", "stage 1 / stage 0 time"],
+                                 [[r["schedule"], r["microbatches"], f"{r['efficiency']:.3f}",
+                                   ", ".join(f"{e:.3f}" for e in r["efficiency_per_round"]), f"{r['formula']:.3f}",
+                                   f"{r['error']:.3f}",
+                                   f"{r['efficiency_whole_batch_ideal']:.3f} ({r['error_whole_batch_ideal']:.3f})",
+                                   f"{r['stage_balance']:.2f}"] for r in pipe])]
     lines += ["", f"Settings: quick={args.quick}; the machine's 2 cores were shared with other work (see the load "
               "averages in the JSON)."]
     return "\n".join(lines)
