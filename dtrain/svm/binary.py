@@ -35,7 +35,7 @@ def make_solver(features: Any, labels: np.ndarray, params: SolverParams, rank: i
     start, stop = block_range(len(labels), rank, world_size)
     block = SampleBlock.of(features[start:stop])
     exchange = PairExchange(block.n_features, rank=rank, world_size=world_size,
-                            slots=max(params.working_set // 2, 1))
+                            slots=max(params.working_set // 2, 1), mode=params.exchange)
     return DistributedSMO(block, labels[start:stop], start, params, exchange)
 
 
@@ -58,4 +58,5 @@ def solve_binary(features: Any, labels: np.ndarray, params: SolverParams, rank: 
     """Train one binary SVM over all ranks; (the model, this rank's stats)."""
     solver = make_solver(features, labels, params, rank, world_size)
     solver.solve()
+    solver.exchange.close()
     return gather_model(solver), solver.stats

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from sklearn.base import BaseEstimator, ClassifierMixin
 
+from dtrain.comm.shm import check_mode
 from dtrain.errors import ConfigError, DataError
 from dtrain.svm.binary import BinaryModel, solve_binary
 from dtrain.svm.elimination import EliminationPolicy
@@ -61,7 +62,9 @@ class SVC(ClassifierMixin, BaseEstimator):
     max_iter, decision_function_shape) plus: `shrinking` (True/False or 'none', 'earliest', 'lazy'),
     `shrink_every`, `shrink_patience`, `shrink_gap`, `shrink_margin` (see `dtrain.svm.elimination`),
     `multi_class` ('ovo' or 'ovr'), `working_set` (q: 2 is one pair per collective as in the paper; a larger
-    even q solves a q-sample subproblem between collectives) and `blas_threads` (BLAS threads per rank).
+    even q solves a q-sample subproblem between collectives), `blas_threads` (BLAS threads per rank) and
+    `exchange` (the per-iteration all-gather of a distributed fit: 'auto' takes shared memory when every rank is
+    on this host with a core of its own, else gloo; 'gloo' or 'shm' forces one).
     """
 
     def __init__(self, C: float = 1.0, kernel: str = "rbf", degree: int = 3, gamma: float | str = "scale",
@@ -69,7 +72,7 @@ class SVC(ClassifierMixin, BaseEstimator):
                  class_weight: dict[Any, float] | str | None = None, max_iter: int = -1,
                  decision_function_shape: str = "ovr", multi_class: str = "ovo", shrink_every: int = 1000,
                  shrink_patience: int = 2, shrink_gap: float | None = None, shrink_margin: float = 0.0,
-                 working_set: int = 2, blas_threads: int = 1) -> None:
+                 working_set: int = 2, blas_threads: int = 1, exchange: str = "auto") -> None:
         self.C = C
         self.kernel = kernel
         self.degree = degree
@@ -88,6 +91,7 @@ class SVC(ClassifierMixin, BaseEstimator):
         self.shrink_margin = shrink_margin
         self.working_set = working_set
         self.blas_threads = blas_threads
+        self.exchange = exchange
 
     # ------------------------------------------------------------------ fit
 
@@ -101,6 +105,7 @@ class SVC(ClassifierMixin, BaseEstimator):
                               "collective, as the paper; e.g. 64 to batch pair steps between collectives)")
         if self.multi_class not in ("ovo", "ovr"):
             raise ConfigError(f"multi_class {self.multi_class!r} must be 'ovo' or 'ovr'")
+        check_mode(str(self.exchange))
         gamma = resolve_gamma(self.gamma, X, X.shape[1])
         kernel = Kernel(self.kernel, gamma=gamma, degree=int(self.degree), coef0=float(self.coef0))
         policy = EliminationPolicy(shrinking_heuristic(self.shrinking), every=int(self.shrink_every),
@@ -108,7 +113,7 @@ class SVC(ClassifierMixin, BaseEstimator):
                                    margin=float(self.shrink_margin))
         params = SolverParams(kernel=kernel, C=float(self.C), tol=float(self.tol),
                               cache_bytes=int(self.cache_size * 2**20), max_iter=int(self.max_iter), policy=policy,
-                              working_set=int(self.working_set))
+                              working_set=int(self.working_set), exchange=str(self.exchange))
         return kernel, params
 
     def _class_weights(self, y: np.ndarray) -> np.ndarray:
@@ -284,6 +289,7 @@ def summarize(problems: list[dict[str, Any]]) -> dict[str, Any]:
         "reactivated": sum(per_rank_reactivated),
         "rechecks": sum(s["rechecks"] for s in first),
         "final_kkt_gap": max(s["final_gap"] for s in first),
+        "exchange": first[0].get("exchange", "local") if first else "local",
         "converged": all(s["converged"] for s in first),
         "dual_objective": sum(p["dual_objective"] for p in problems),
         "dual_objectives": [p["dual_objective"] for p in problems],

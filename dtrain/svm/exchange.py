@@ -6,6 +6,11 @@ other ranks need to update with them: the global index, alpha, label, box bound 
 features. One `all_gather_single` (an all-gather into one tensor) then gives every rank the same table, from
 which each picks the same global working pair (the min/max-location reduction) and has both samples' data
 (the owners' broadcast) without a second message.
+
+The all-gather goes through gloo, or, when every rank is on this host with a core of its own, through a
+shared-memory segment (`dtrain.comm.shm`; `exchange: auto | gloo | shm`): on the 2-core build machine a gloo
+all-gather of this size costs ~1 ms and the shared-memory one a few microseconds, against an iteration's
+~0.1 ms of work. Both give the same bytes, so the solve is the same either way.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from dtrain.comm.shm import ShmAllGather, setup_allgather
 
 # Fields of one candidate row, followed by the sample's features.
 F, INDEX, ALPHA, LABEL, BOUND, KDIAG = range(6)
@@ -29,7 +36,8 @@ class PairExchange:
     With slots = 1 this is the pair exchange of the paper's parallel SMO.
     """
 
-    def __init__(self, n_features: int, rank: int = 0, world_size: int = 1, slots: int = 1) -> None:
+    def __init__(self, n_features: int, rank: int = 0, world_size: int = 1, slots: int = 1, mode: str = "auto"
+                 ) -> None:
         self.n_features = n_features
         self.rank = rank
         self.world_size = world_size
@@ -43,6 +51,8 @@ class PairExchange:
         self.seconds = 0.0
         self.calls = 0
         self.distributed = world_size > 1 and dist.is_available() and dist.is_initialized()
+        self.shm: ShmAllGather | None = setup_allgather(width, mode) if self.distributed else None
+        self.mode = "shm" if self.shm is not None else "gloo" if self.distributed else "local"
 
     def gather(self) -> np.ndarray:
         """The (W, 2 slots, row) table of every rank's candidates, the same on every rank."""
@@ -51,9 +61,18 @@ class PairExchange:
             self.table[0] = self.send
             return self.table
         started = time.perf_counter()
-        dist.all_gather_single(self._recv, self._send)
+        if self.shm is not None:
+            self.shm.gather(self.send, self.table)
+        else:
+            dist.all_gather_single(self._recv, self._send)
         self.seconds += time.perf_counter() - started
         return self.table
+
+    def close(self) -> None:
+        """Unmap the shared-memory segment, if any (the per-iteration gather is not used afterwards)."""
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
     def reduce(self, values: np.ndarray, op: str) -> np.ndarray:
         """An all-reduce ('sum', 'min' or 'max') of a small float64 vector, timed like the exchange."""
         if not self.distributed:

@@ -199,6 +199,7 @@ class SVMRunner:
                 done = solver.solve(self.iterations_per_batch)
                 self._report(p, solver)
                 if done:
+                    solver.exchange.close()
                     self.models.append(gather_model(solver))
                     self._checkpoint(None)  # the finished model; the last one's is the final checkpoint
                 elif self.checkpoint_every and self.step % self.checkpoint_every == 0:
@@ -214,7 +215,7 @@ class SVMRunner:
         stats = saved["stats"]
         mine = stats[self.topology.rank] if len(stats) == self.topology.world_size else stats[0]
         for key, value in mine.items():
-            if key not in ("iterations", "converged") and hasattr(solver.stats, key):
+            if key not in ("iterations", "converged", "exchange") and hasattr(solver.stats, key):
                 setattr(solver.stats, key, value)
         self.resume_state = None
 

@@ -51,6 +51,7 @@ class SolverParams:
     max_iter: int = -1
     working_set: int = 2  # q: 2 is the paper's pair per collective; larger batches pair steps per collective
     inner_steps: int = 1000  # most pair steps of one working-set subproblem
+    exchange: str = "auto"  # the per-iteration all-gather: auto, gloo or shm (dtrain.comm.shm)
     policy: EliminationPolicy = field(default_factory=lambda: EliminationPolicy("none"))
 
 
@@ -72,6 +73,7 @@ class SolverStats:
     cache_misses: int = 0
     final_gap: float = float("nan")
     converged: bool = False
+    exchange: str = "local"  # how the per-iteration all-gather went: local (one rank), gloo or shm
 
 
 class DistributedSMO:
@@ -94,7 +96,7 @@ class DistributedSMO:
         self.f = -self.y.copy()
         self.active = np.ones(n, dtype=bool)
         self.streak = np.zeros(n, dtype=np.int64)
-        self.stats = SolverStats(min_active=n)
+        self.stats = SolverStats(min_active=n, exchange=exchange.mode)
         self.ledger = Ledger()
         self.cache = KernelRowCache(params.cache_bytes)
         self.b_up, self.b_low = -1.0, 1.0

@@ -28,7 +28,7 @@ from dtrain.train.trial import Trial
 
 HPARAMS = ("C", "kernel", "degree", "gamma", "coef0", "shrinking", "tol", "cache_size", "class_weight", "max_iter",
            "multi_class", "shrink_every", "shrink_patience", "shrink_gap", "shrink_margin", "working_set",
-           "blas_threads")
+           "blas_threads", "exchange")
 DATA_KEYS = ("dataset", "classes", "train_samples", "test_samples", "directory")
 
 
