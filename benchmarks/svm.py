@@ -5,17 +5,21 @@ Every variant runs in fresh processes (W gloo ranks on loopback, one BLAS thread
 which load the data themselves; the time is the fit's wall time on the slowest rank. In every round, variants
 run back to back in alternating order:
 
-- `r1_none`, `r1_lazy`: 1 rank, elimination off / lazy;
-- `r2_none`, `r2_earliest`, `r2_lazy`: 2 ranks, elimination off / earliest / lazy;
+- `r1_none`, `r1_earliest`, `r1_lazy`: 1 rank, elimination off / earliest / lazy;
+- `r2_none_<x>`, `r2_earliest_<x>`, `r2_lazy_<x>`: 2 ranks, elimination off / earliest / lazy, with the
+  per-iteration exchange `<x>` = `shm` (shared memory, dtrain.comm.shm) and `gloo`, otherwise the same settings;
 - `sklearn`: scikit-learn's `SVC` (libsvm, one process, shrinking on), the same kernel, C, gamma and tol.
 
-Headline (medians of ratios paired within a round, per-round values beside them):
+Headline (medians of ratios paired within a round, per-round values beside them), on the exchange whose 2-rank
+time without elimination is lower (`exchange`), with the same figures for the other beside them (`_gloo` or
+`_shm` suffix):
 - `elimination_time_saving` = 1 - time(2 ranks, best heuristic) / time(2 ranks, none); target >= 0.30;
 - `speedup_2_ranks` = time(1 rank) / time(2 ranks), elimination off on both; target >= 1.6
   (`speedup_2_ranks_lazy`: the same with lazy elimination on both);
-- `time_vs_sklearn` = time(2 ranks, best heuristic) / time(scikit-learn), reported as measured.
+- `time_vs_sklearn` = time(2 ranks, best heuristic) / time(scikit-learn), reported as measured;
+- `elimination_time_saving_1_rank` = 1 - time(1 rank, best heuristic) / time(1 rank, none).
 Also the communication share of the 2-rank time and the figures of each fit (iterations, kernel evaluations,
-eliminations per rank, reconstructions, final KKT gap).
+rows computed, eliminations per rank, reconstructions, final KKT gap, the exchange used).
 
 `--check` runs the correctness comparison instead (once, not timed): 10 000 training samples at 1, 2 and 4
 ranks with elimination off and lazy, against scikit-learn on the 2 000-sample test split: the dual objective
@@ -82,7 +86,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue: Any) -
         barrier()
         started = time.perf_counter()
         model = SVC(C=C, gamma=GAMMA, tol=TOL, shrinking=job["shrinking"], working_set=job.get("working_set", 2),
-                    shrink_every=job.get("shrink_every", 1000)).fit(X, y)
+                    shrink_every=job.get("shrink_every", 1000), exchange=job.get("exchange", "auto")).fit(X, y)
         seconds = time.perf_counter() - started
         accuracy = float(model.score(Xt, yt)) if rank == 0 else 0.0
         if world > 1:
@@ -128,58 +132,98 @@ def fit_row(result: dict[str, Any]) -> dict[str, Any]:
         row.update(iterations=stats["iterations"], kernel_evaluations=stats["kernel_evaluations"],
                    comm_seconds=stats["comm_seconds"], eliminated_per_rank=stats["eliminated_per_rank"],
                    reactivated=stats["reactivated"], final_kkt_gap=stats["final_kkt_gap"],
-                   dual_objective=stats["dual_objective"])
+                   dual_objective=stats["dual_objective"], exchange=stats.get("exchange", "local"),
+                   rows_computed=stats.get("rows_computed", 0))
     return row
+
+
+def _dtrain(base: dict[str, Any], shrinking: str, world: int, exchange: str = "auto") -> Any:
+    return lambda _: fit_row(run_job({**base, "kind": "dtrain", "shrinking": shrinking, "exchange": exchange}, world))
+
+
+def _saving(seconds: dict[str, list[float]], prefix: str, suffix: str = "") -> tuple[str, dict[str, Any]]:
+    """(best heuristic, 1 - time(best) / time(none)) for the variants `<prefix><heuristic><suffix>`."""
+    best = min(("earliest", "lazy"), key=lambda h: median(seconds[f"{prefix}{h}{suffix}"]))
+    ratio = ratio_headline("ratio", seconds[f"{prefix}{best}{suffix}"], seconds[f"{prefix}none{suffix}"])
+    return best, {"value": 1.0 - ratio["ratio"], "per_round": [1.0 - r for r in ratio["ratio_per_round"]]}
+
+
+def _figures(seconds: dict[str, list[float]], rows: list[dict[str, Any]], x: str) -> dict[str, Any]:
+    """The 2-rank headline figures with exchange `x`."""
+    best, saving = _saving(seconds, "r2_", f"_{x}")
+    return {"elimination_time_saving": saving["value"], "elimination_time_saving_per_round": saving["per_round"],
+            "best_heuristic": best,
+            **ratio_headline("speedup_2_ranks", seconds["r1_none"], seconds[f"r2_none_{x}"]),
+            **ratio_headline("speedup_2_ranks_lazy", seconds["r1_lazy"], seconds[f"r2_lazy_{x}"]),
+            **ratio_headline("time_vs_sklearn", seconds[f"r2_{best}_{x}"], seconds["sklearn"]),
+            "comm_share_2_ranks": median([r["comm_seconds"] / r["seconds"] for r in rows
+                                          if r["variant"] == f"r2_none_{x}"])}
 
 
 def timing(args: argparse.Namespace) -> None:
     base = {"samples": args.samples, "test_samples": args.test_samples}
     variants = [
-        ("r1_none", lambda _: fit_row(run_job({**base, "kind": "dtrain", "shrinking": "none"}, 1))),
-        ("r2_none", lambda _: fit_row(run_job({**base, "kind": "dtrain", "shrinking": "none"}, 2))),
-        ("r2_earliest", lambda _: fit_row(run_job({**base, "kind": "dtrain", "shrinking": "earliest"}, 2))),
-        ("r2_lazy", lambda _: fit_row(run_job({**base, "kind": "dtrain", "shrinking": "lazy"}, 2))),
-        ("r1_lazy", lambda _: fit_row(run_job({**base, "kind": "dtrain", "shrinking": "lazy"}, 1))),
+        ("r1_none", _dtrain(base, "none", 1)),
+        ("r2_none_shm", _dtrain(base, "none", 2, "shm")),
+        ("r2_none_gloo", _dtrain(base, "none", 2, "gloo")),
+        ("r2_earliest_shm", _dtrain(base, "earliest", 2, "shm")),
+        ("r2_earliest_gloo", _dtrain(base, "earliest", 2, "gloo")),
+        ("r2_lazy_shm", _dtrain(base, "lazy", 2, "shm")),
+        ("r2_lazy_gloo", _dtrain(base, "lazy", 2, "gloo")),
+        ("r1_earliest", _dtrain(base, "earliest", 1)),
+        ("r1_lazy", _dtrain(base, "lazy", 1)),
         ("sklearn", lambda _: fit_row(run_job({**base, "kind": "sklearn", "shrinking": "lazy"}, 1))),
     ]
     rows = alternate(variants, args.rounds)
     seconds = {label: rounds_of(rows, label, "seconds") for label, _ in variants}
-    best = min(("r2_earliest", "r2_lazy"), key=lambda label: median(seconds[label]))
-    saving = ratio_headline("elimination_time_ratio", seconds[best], seconds["r2_none"])
+    fastest = min(("shm", "gloo"), key=lambda x: median(seconds[f"r2_none_{x}"]))
+    other = "gloo" if fastest == "shm" else "shm"
+    best_1, saving_1 = _saving(seconds, "r1_")
+    figures = {x: _figures(seconds, rows, x) for x in (fastest, other)}
     headline: dict[str, Any] = {
-        "elimination_time_saving": 1.0 - saving["elimination_time_ratio"],
-        "elimination_time_saving_per_round": [1.0 - r for r in saving["elimination_time_ratio_per_round"]],
-        "best_heuristic": best.removeprefix("r2_"),
-        **ratio_headline("speedup_2_ranks", seconds["r1_none"], seconds["r2_none"]),
-        **ratio_headline("speedup_2_ranks_lazy", seconds["r1_lazy"], seconds["r2_lazy"]),
-        **ratio_headline("time_vs_sklearn", seconds[best], seconds["sklearn"]),
-        "comm_share_2_ranks": median([r["comm_seconds"] / r["seconds"] for r in rows if r["variant"] == "r2_none"]),
+        "exchange": fastest,
+        **figures[fastest],
+        **{f"{key}_{other}": value for key, value in figures[other].items()},
+        "elimination_time_saving_1_rank": saving_1["value"],
+        "elimination_time_saving_1_rank_per_round": saving_1["per_round"],
+        "best_heuristic_1_rank": best_1,
         "targets": {"elimination_time_saving": ">= 0.30", "speedup_2_ranks": ">= 1.6"},
         "samples": args.samples,
     }
-    table = markdown_table(["variant", "median s", "per round s", "iterations", "comm s", "eliminated/rank",
-                            "reactivated", "KKT gap", "accuracy"],
+    table = markdown_table(["variant", "median s", "per round s", "iterations", "rows computed", "comm s",
+                            "eliminated/rank", "reactivated", "KKT gap", "accuracy", "exchange"],
                            [[label, f"{median(seconds[label]):.2f}", ", ".join(f"{s:.2f}" for s in seconds[label]),
                              next((r.get("iterations", "") for r in rows if r["variant"] == label), ""),
+                             next((r.get("rows_computed", "") for r in rows if r["variant"] == label), ""),
                              f"{median([r.get('comm_seconds', 0.0) for r in rows if r['variant'] == label]):.2f}",
                              next((r.get("eliminated_per_rank", "") for r in rows if r["variant"] == label), ""),
                              next((r.get("reactivated", "") for r in rows if r["variant"] == label), ""),
                              next((f"{r['final_kkt_gap']:.2e}" for r in rows if r["variant"] == label
                                    and "final_kkt_gap" in r), ""),
-                             next((f"{r['accuracy']:.4f}" for r in rows if r["variant"] == label), "")]
+                             next((f"{r['accuracy']:.4f}" for r in rows if r["variant"] == label), ""),
+                             next((r.get("exchange", "") for r in rows if r["variant"] == label), "")]
                             for label, _ in variants])
+
+    def line(x: str) -> str:
+        h = figures[x]
+        return (f"- exchange **{x}**: elimination_time_saving (2 ranks, {h['best_heuristic']} vs none) "
+                f"**{h['elimination_time_saving']:.3f}** (target >= 0.30), per round "
+                f"{', '.join(f'{v:.3f}' for v in h['elimination_time_saving_per_round'])}; "
+                f"speedup_2_ranks (elimination off) **{h['speedup_2_ranks']:.3f}** (target >= 1.6), "
+                f"per round {', '.join(f'{v:.3f}' for v in h['speedup_2_ranks_per_round'])}; "
+                f"with lazy elimination {h['speedup_2_ranks_lazy']:.3f}; time_vs_sklearn "
+                f"(2 ranks {h['best_heuristic']} / sklearn SVC, shrinking on) "
+                f"**{h['time_vs_sklearn']:.3f}**; communication share of the 2-rank time (elimination "
+                f"off) {h['comm_share_2_ranks']:.2f}\n")
+
     markdown = (f"# svm\n\nFashion-MNIST 6-vs-0, {args.samples} training samples, RBF, C={C}, gamma={GAMMA}, "
-                f"tol={TOL}; {args.rounds} rounds, variants alternating.\n\n"
-                f"- elimination_time_saving (2 ranks, {headline['best_heuristic']} vs none): "
-                f"**{headline['elimination_time_saving']:.3f}** (target >= 0.30), per round "
-                f"{', '.join(f'{v:.3f}' for v in headline['elimination_time_saving_per_round'])}\n"
-                f"- speedup_2_ranks (elimination off): **{headline['speedup_2_ranks']:.3f}** (target >= 1.6), "
-                f"per round {', '.join(f'{v:.3f}' for v in headline['speedup_2_ranks_per_round'])}; with lazy "
-                f"elimination {headline['speedup_2_ranks_lazy']:.3f}\n"
-                f"- time_vs_sklearn (dtrain 2 ranks {headline['best_heuristic']} / sklearn SVC, shrinking on): "
-                f"**{headline['time_vs_sklearn']:.3f}**\n"
-                f"- communication share of the 2-rank time (elimination off): {headline['comm_share_2_ranks']:.2f}"
-                f"\n\n{table}\n")
+                f"tol={TOL}; {args.rounds} rounds, variants alternating. Headline on the faster exchange "
+                f"({fastest}), the other beside it.\n\n"
+                + line(fastest) + line(other)
+                + f"- elimination_time_saving at 1 rank ({best_1} vs none): "
+                f"**{headline['elimination_time_saving_1_rank']:.3f}**, per round "
+                f"{', '.join(f'{v:.3f}' for v in headline['elimination_time_saving_1_rank_per_round'])}\n"
+                f"\n{table}\n")
     write_results(args.results_name, headline, rows, markdown, machine_info())
     print(markdown)
 

@@ -1,9 +1,11 @@
 """A least-recently-used cache of kernel rows, bounded by bytes.
 
 A row is K(x_g, active samples of this rank) for a working sample with global index g. The rows follow the
-active set: when samples are eliminated every cached row is compacted the same way (so a cached row always
-lines up with the rank's compacted arrays); when samples come back the cache is emptied, because its rows
-lack the returning samples' entries. Each rank caches rows over its own block only, so W ranks together hold
+active set: when samples are eliminated, each cached row is compacted the same way, lazily, the next time it is
+read (so a row handed out always lines up with the rank's compacted arrays, and an elimination costs nothing
+for rows never used again: compacting all of a 200 MB cache at every elimination check cost more than the
+elimination saved); when samples come back the cache is emptied, because its rows lack the returning samples'
+entries. Each rank caches rows over its own block only, so W ranks together hold
 W times the rows one process could (the super-linear effect the parallel SMO papers report).
 """
 
@@ -19,7 +21,8 @@ class KernelRowCache:
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = max(int(budget_bytes), 0)
-        self._rows: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._rows: OrderedDict[int, tuple[np.ndarray, int]] = OrderedDict()  # row, compactions it has seen
+        self._keeps: list[np.ndarray] = []  # the compactions so far, in order
         self.bytes = 0
         self.hits = 0
         self.misses = 0
@@ -28,10 +31,17 @@ class KernelRowCache:
         return len(self._rows)
 
     def get(self, key: int) -> np.ndarray | None:
-        row = self._rows.get(key)
-        if row is None:
+        entry = self._rows.get(key)
+        if entry is None:
             self.misses += 1
             return None
+        row, seen = entry
+        if seen < len(self._keeps):
+            self.bytes -= row.nbytes
+            for keep in self._keeps[seen:]:
+                row = row[keep]
+            self.bytes += row.nbytes
+            self._rows[key] = (row, len(self._keeps))
         self._rows.move_to_end(key)
         self.hits += 1
         return row
@@ -42,19 +52,18 @@ class KernelRowCache:
             return
         old = self._rows.pop(key, None)
         if old is not None:
-            self.bytes -= old.nbytes
+            self.bytes -= old[0].nbytes
         while self._rows and self.bytes + row.nbytes > self.budget_bytes:
-            _, evicted = self._rows.popitem(last=False)
+            _, (evicted, _) = self._rows.popitem(last=False)
             self.bytes -= evicted.nbytes
-        self._rows[key] = row
+        self._rows[key] = (row, len(self._keeps))
         self.bytes += row.nbytes
 
     def compact(self, keep: np.ndarray) -> None:
-        """Every row keeps only the entries at positions `keep` (the samples that stay active)."""
-        for key, row in self._rows.items():
-            self._rows[key] = row[keep]
-        self.bytes = sum(row.nbytes for row in self._rows.values())
+        """Every row keeps only the entries at positions `keep` (the samples that stay active), when next read."""
+        self._keeps.append(np.asarray(keep))
 
     def clear(self) -> None:
         self._rows.clear()
+        self._keeps.clear()
         self.bytes = 0

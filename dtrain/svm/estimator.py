@@ -281,6 +281,7 @@ def summarize(problems: list[dict[str, Any]]) -> dict[str, Any]:
         "world_size": world,
         "iterations": sum(s["iterations"] for s in first),
         "kernel_evaluations": sum(s["kernel_evaluations"] for s in ranks),
+        "rows_computed": sum(s.get("rows_computed", 0) for s in first),  # on rank 0 (every rank computes the same)
         "comm_seconds": max(sum(p["ranks"][r]["comm_seconds"] for p in problems) for r in range(world)),
         "solve_seconds": max(sum(p["ranks"][r]["solve_seconds"] for p in problems) for r in range(world)),
         "eliminated_per_rank": per_rank_eliminated,

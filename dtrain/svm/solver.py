@@ -116,10 +116,11 @@ class DistributedSMO:
         self.kda = self.kdiag[self.pos]
         self.where = np.full(len(self.block), -1, dtype=np.int64)
         self.where[self.pos] = np.arange(len(self.pos))
-        self.pen_up = np.zeros(len(self.pos))
-        self.pen_low = np.zeros(len(self.pos))
-        for c in range(len(self.pos)):
-            self._set_pens(c)
+        positive = self.ya > 0
+        in_up = np.where(positive, self.aa < self.ca, self.aa > 0)
+        in_low = np.where(positive, self.aa > 0, self.aa < self.ca)
+        self.pen_up = np.where(in_up, 0.0, np.inf)
+        self.pen_low = np.where(in_low, 0.0, -np.inf)
         self.buf = np.empty(len(self.pos))
         self.stats.min_active = min(self.stats.min_active, len(self.pos))
 
@@ -139,6 +140,9 @@ class DistributedSMO:
         largest f of I_low, each with its data."""
         send, slots = self.exchange.send, self.exchange.slots
         n = len(self.fa)
+        if slots == 1 and n:
+            self._pack_pair(send)
+            return
         for side, pen in ((0, self.pen_up), (1, self.pen_low)):
             rows = send[side * slots:(side + 1) * slots]
             rows[:, INDEX] = -1.0
@@ -161,6 +165,24 @@ class DistributedSMO:
                 row[FVAL], row[INDEX], row[ALPHA] = self.fa[c], self.start + self.pos[c], self.aa[c]
                 row[LABEL], row[BOUND], row[KDIAG] = self.ya[c], self.ca[c], self.kda[c]
                 self.xa.dense_row(int(c), row[FIELDS:])
+
+    def _pack_pair(self, send: np.ndarray) -> None:
+        """`_pack` for one candidate per side (the pair algorithm): an argmin and an argmax, no sorting."""
+        buf = self.buf
+        np.add(self.fa, self.pen_up, out=buf)
+        up = int(buf.argmin())
+        f_up = buf[up]
+        np.add(self.fa, self.pen_low, out=buf)
+        low = int(buf.argmax())
+        f_low = buf[low]
+        for side, c, found in ((0, up, f_up < np.inf), (1, low, f_low > -np.inf)):
+            row = send[side]
+            if not found:
+                row[INDEX], row[FVAL] = -1.0, (np.inf if side == 0 else -np.inf)
+                continue
+            row[FVAL], row[INDEX], row[ALPHA] = self.fa[c], self.start + self.pos[c], self.aa[c]
+            row[LABEL], row[BOUND], row[KDIAG] = self.ya[c], self.ca[c], self.kda[c]
+            self.xa.dense_row(c, row[FIELDS:])
 
     def _row(self, index: int, x: np.ndarray) -> np.ndarray:
         """K(x_index, active samples of this rank), from the cache or computed (and cached)."""

@@ -147,9 +147,14 @@ def test_row_cache_keeps_to_its_byte_budget_and_follows_compaction() -> None:
     for key in range(5):
         cache.put(key, np.full(10, float(key)))
     assert len(cache) == 3 and cache.bytes <= 240 and cache.get(0) is None and cache.get(4) is not None
-    cache.compact(np.array([0, 2, 4]))
+    cache.put(3, np.arange(10.0))
+    cache.compact(np.array([0, 2, 4, 5, 9]))
+    cache.compact(np.array([1, 2, 4]))  # two compactions before the row is read: applied in order
     row = cache.get(4)
-    assert row is not None and row.shape == (3,) and cache.bytes == 3 * 24
+    assert row is not None and row.shape == (3,) and cache.bytes == 2 * 80 + 24
+    assert np.array_equal(cache.get(3), [2.0, 4.0, 9.0]) and cache.bytes == 80 + 2 * 24
+    cache.put(7, np.zeros(3))  # a row computed after the compactions is not compacted again
+    assert cache.get(7).shape == (3,)  # type: ignore[union-attr]
 
 
 def test_estimator_api() -> None:
