@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from dtrain.errors import ConfigError, StallError
+from dtrain.runs.processes import process_alive
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "dtrain-allgather-"
@@ -180,7 +181,7 @@ class ShmAllGather:
             if self.watch_pids and now - checked >= policy.liveness_every:
                 checked = now
                 pid = int(self._header[4 + peer])
-                if not _alive(pid):
+                if not process_alive(pid):
                     raise StallError(f"rank {self.rank} waited in the shared-memory all-gather (call {k}) for rank "
                                      f"{peer}, whose process (pid {pid}) has exited; look at that rank's log")
 
@@ -198,21 +199,6 @@ class ShmAllGather:
         self._words.release()
         del self._header, self._banks
         self._map.close()
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` exists and has not exited (a zombie, not yet reaped by its parent, has)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")
 
 
 def _boot_id() -> str:
@@ -304,5 +290,5 @@ def setup_allgather(count: int, mode: str = "auto", *, policy: WaitPolicy | None
                               f"{what} auto or gloo")
         return None
     assert channel is not None
-    channel.watch_pids = all(_alive(info[5]) for info in everyone)  # the peers' pids mean something here
+    channel.watch_pids = all(process_alive(info[5]) for info in everyone)  # the peers' pids mean something here
     return channel

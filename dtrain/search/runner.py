@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.errors import ConfigError, ExitCode
+from dtrain.runs.processes import process_alive
 from dtrain.search import asha
 from dtrain.search.link import BRACKET, INVALID, STOPPED, LinkRecord, make_pruner
 from dtrain.search.progress import SearchProgress
@@ -74,16 +75,6 @@ def owner_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def orphaned(trial: Any, me: str, now: float) -> bool:
     """Whether a RUNNING trial has no live runner: its runner was on this machine and is gone, or its heartbeat is
     older than GRACE_SECONDS."""
@@ -92,7 +83,7 @@ def orphaned(trial: Any, me: str, now: float) -> bool:
         return False
     host, _, pid = owner.rpartition(":")
     if host == socket.gethostname() and pid.isdigit():
-        return not _alive(int(pid))
+        return not process_alive(int(pid))
     beat = trial.user_attrs.get(HEARTBEAT)
     if beat is None:
         started = trial.datetime_start.timestamp() if trial.datetime_start else now
