@@ -12,10 +12,11 @@ accuracy against fp32 on the Fashion-MNIST demo.
    worker past it. DDP must fail to train, FSDP2 must train. Without root the part is skipped with the reason.
 3. Pipeline (2 processes, p = 2, wide MLP width 1024, batch 256, 1 thread each, `dtrain run`'s malloc settings):
    measured T = dtrain's pipeline strategy (GPipe and 1F1B) on the batch; ideal T_ideal = m x the time per stage
-   of one microbatch, from a 1-stage run (the whole model's forward+backward on batch/m rows in one of the same
-   processes) / p, as the reference defines it; efficiency = T_ideal / T for m = 2, 4, 8 against m / (m + p - 1).
-   The earlier ideal (the 1-stage run on the whole batch / p, which ignores that a microbatch runs slower per
-   row than the whole batch) is reported beside it. Rounds alternate the two; the headline
+   of one microbatch from a 1-stage run, as the reference defines it: the whole model in one of the same
+   processes through the same schedule's order over the m microbatches (gradients accumulating), / p;
+   efficiency = T_ideal / T for m = 2, 4, 8 against m / (m + p - 1). Reported beside it: m x one microbatch
+   alone (no accumulation) / p, and the earlier ideal, the whole batch / p (it ignores that a microbatch runs
+   slower per row than the whole batch). Rounds alternate the 1-stage runs and the pipelines; the headline
    `pipeline_efficiency_error_max` is the largest |median GPipe efficiency - formula| (target <= 0.08).
 4. Precision (1 process): step time of the wide MLP in bf16 and fp16 autocast over fp32, paired per round.
 5. Accuracy (full run only): `dtrain run examples/fashion_mnist/distributed.yaml` for 3 epochs on 2 workers in
@@ -344,6 +345,23 @@ def _pipeline(topology: Any, microbatches: list[int], schedules: list[str], roun
             reference.zero_grad(set_to_none=True)
         return run
 
+    def one_stage_schedule(m: int, schedule: str) -> Any:
+        """The whole model as one stage through the schedule's order over m microbatches (GPipe: every forward,
+        then every backward; 1F1B with one stage: forward and backward in turn), gradients accumulating."""
+        rows = batch // m
+        chunks = [(inputs[i * rows:(i + 1) * rows], labels[i * rows:(i + 1) * rows]) for i in range(m)]
+
+        def run() -> None:
+            if schedule == "gpipe":
+                losses = [F.cross_entropy(reference(x), y) for x, y in chunks]
+                for loss in losses:
+                    loss.backward()
+            else:
+                for x, y in chunks:
+                    F.cross_entropy(reference(x), y).backward()
+            reference.zero_grad(set_to_none=True)
+        return run
+
     sizes = sorted({batch} | {batch // m for m in microbatches}, reverse=True)
     out: dict[str, list[float]] = {}
 
@@ -352,6 +370,10 @@ def _pipeline(topology: Any, microbatches: list[int], schedules: list[str], roun
             for rows in sizes:
                 for part in ("whole", "stage0", "stage1"):
                     out.setdefault(f"{part}_b{rows}", []).append(median_of_3(one_stage(rows, part), False))
+            for schedule in schedules:
+                for m in microbatches:
+                    out.setdefault(f"one_stage_{schedule}_m{m}", []).append(
+                        median_of_3(one_stage_schedule(m, schedule), False))
         dist.barrier()
 
     def piped() -> None:
@@ -378,12 +400,20 @@ def dtrain_run_malloc() -> dict[str, str]:
     return malloc_environment(DEFAULT_MALLOC_TRIM_THRESHOLD_MB)
 
 
+IDEALS = {  # name -> (what T_ideal is, for the results)
+    "": "the 1-stage run of the same schedule over the m microbatches (the whole model in one process, gradients "
+        "accumulating) / p: m x the time per stage of one microbatch from a 1-stage run (headline)",
+    "isolated_microbatch_ideal": "m x one microbatch's forward+backward alone (no accumulation) / p",
+    "whole_batch_ideal": "the whole batch's forward+backward in one process / p (this benchmark's earlier ideal)",
+}
+
+
 def pipeline_rows(microbatches: list[int], schedules: list[str], rounds: int, batch: int, width: int,
                   log: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Efficiency = T_ideal / T per round, for two ideals. Headline (the reference's definition): T_ideal = m x the
-    time per stage of one microbatch, from the 1-stage run on a microbatch of batch/m rows, divided by p. Beside it
-    (this benchmark's earlier definition): the 1-stage run on the whole batch / p, which ignores that microbatches
-    run at a different speed than the whole batch."""
+    """Efficiency = T_ideal / T per round, for the three ideals of IDEALS. The headline's is the reference's "time
+    per stage from a 1-stage run": what the pipeline's stages do without the bubble and the sends. The other two
+    leave out gradient accumulation over the microbatches (isolated microbatch) or also that a microbatch runs
+    slower per row than the whole batch (whole batch)."""
     from dtrain.plan.memory import pipeline_efficiency
 
     stages = 2
@@ -400,32 +430,35 @@ def pipeline_rows(microbatches: list[int], schedules: list[str], rounds: int, ba
         for m in microbatches:
             rows_per_micro = batch // m
             measured = times[f"{schedule}_m{m}"]
-            ideal = [m * t / stages for t in times[f"whole_b{rows_per_micro}"]]
-            ideal_whole_batch = [t / stages for t in times[f"whole_b{batch}"]]
-            suffix = f"m{m}" if schedule == "gpipe" else f"{schedule}_m{m}"
-            ratio = ratio_headline(f"pipeline_efficiency_{suffix}", ideal, measured)
-            old = ratio_headline(f"pipeline_efficiency_whole_batch_ideal_{suffix}", ideal_whole_batch, measured)
+            ideals = {"": [t / stages for t in times[f"one_stage_{schedule}_m{m}"]],
+                      "isolated_microbatch_ideal": [m * t / stages for t in times[f"whole_b{rows_per_micro}"]],
+                      "whole_batch_ideal": [t / stages for t in times[f"whole_b{batch}"]]}
             formula = pipeline_efficiency(stages, m)
-            efficiency = ratio[f"pipeline_efficiency_{suffix}"]
-            efficiency_old = old[f"pipeline_efficiency_whole_batch_ideal_{suffix}"]
-            errors.setdefault(schedule, []).append(abs(efficiency - formula))
-            errors.setdefault(f"{schedule}_whole_batch_ideal", []).append(abs(efficiency_old - formula))
-            headline.update(ratio)
-            headline[f"pipeline_efficiency_whole_batch_ideal_{suffix}"] = efficiency_old
-            headline[f"pipeline_efficiency_whole_batch_ideal_{suffix}_per_round"] = \
-                old[f"pipeline_efficiency_whole_batch_ideal_{suffix}_per_round"]
+            row: dict[str, Any] = {"part": "pipeline", "schedule": schedule, "microbatches": m, "stages": stages,
+                                   "microbatch_rows": rows_per_micro, "formula": formula,
+                                   "pipeline_seconds": measured}
+            for ideal, seconds in ideals.items():
+                key = "_".join(part for part in ("pipeline_efficiency", ideal, "" if schedule == "gpipe" else schedule,
+                                                 f"m{m}") if part)
+                ratio = ratio_headline(key, seconds, measured)
+                headline[key] = ratio[key]
+                headline[f"{key}_per_round"] = ratio[f"{key}_per_round"]
+                if not ideal:
+                    headline[f"{key}_min"], headline[f"{key}_max"] = ratio[f"{key}_min"], ratio[f"{key}_max"]
+                name = ideal or "efficiency"
+                row[name if not ideal else f"efficiency_{ideal}"] = ratio[key]
+                row[f"{name}_per_round" if not ideal else f"efficiency_{ideal}_per_round"] = ratio[f"{key}_per_round"]
+                row["ideal_seconds" if not ideal else f"{ideal}_seconds"] = seconds
+                row["error" if not ideal else f"error_{ideal}"] = abs(ratio[key] - formula)
+                errors.setdefault("_".join(part for part in (schedule, ideal) if part), []).append(
+                    abs(ratio[key] - formula))
             stage0, stage1 = times[f"stage0_b{rows_per_micro}"], times[f"stage1_b{rows_per_micro}"]
-            rows.append({"part": "pipeline", "schedule": schedule, "microbatches": m, "stages": stages,
-                         "microbatch_rows": rows_per_micro, "efficiency": efficiency,
-                         "efficiency_per_round": ratio[f"pipeline_efficiency_{suffix}_per_round"],
-                         "efficiency_whole_batch_ideal": efficiency_old, "formula": formula,
-                         "error": abs(efficiency - formula), "error_whole_batch_ideal": abs(efficiency_old - formula),
-                         "pipeline_seconds": measured, "ideal_seconds": ideal,
-                         "ideal_whole_batch_seconds": ideal_whole_batch,
-                         "stage0_seconds": stage0, "stage1_seconds": stage1,
-                         "stage_balance": median([b / a for a, b in zip(stage0, stage1, strict=True)])})
-            log(f"  {schedule} m={m}: efficiency {efficiency:.3f} (formula {formula:.3f}; with the whole-batch ideal "
-                f"{efficiency_old:.3f}); stage 1 / stage 0 time {rows[-1]['stage_balance']:.2f}")
+            row.update(stage0_seconds=stage0, stage1_seconds=stage1,
+                       stage_balance=median([b / a for a, b in zip(stage0, stage1, strict=True)]))
+            rows.append(row)
+            log(f"  {schedule} m={m}: efficiency {row['efficiency']:.3f} (formula {formula:.3f}); with the isolated "
+                f"microbatch ideal {row['efficiency_isolated_microbatch_ideal']:.3f}, the whole-batch ideal "
+                f"{row['efficiency_whole_batch_ideal']:.3f}; stage 1 / stage 0 time {row['stage_balance']:.2f}")
     headline["pipeline_efficiency_error_max"] = max(errors["gpipe"])
     headline["pipeline_efficiency_error_max_per_round"] = [
         max(abs(headline[f"pipeline_efficiency_m{m}_per_round"][r] - pipeline_efficiency(stages, m))
@@ -615,14 +648,17 @@ def _markdown(headline: dict[str, Any], rows: list[dict[str, Any]], args: argpar
     pipe = [r for r in rows if r["part"] == "pipeline"]
     if pipe:
         lines += ["", "Pipeline efficiency T_ideal / T (p = 2, wide MLP width 1024, batch 256, 1 thread per process, "
-                  "dtrain run's malloc settings). Headline ideal (the reference's): T_ideal = m x the 1-stage run's "
-                  "forward+backward of one microbatch (batch/m rows) / p. Beside it, the earlier ideal: the 1-stage "
-                  "run of the whole batch / p. Medians of the per-round ratios:", "",
+                  "dtrain run's malloc settings), medians of the per-round ratios. Headline T_ideal: "
+                  f"{IDEALS['']}. Beside it: isolated microbatch = {IDEALS['isolated_microbatch_ideal']}; "
+                  f"whole batch = {IDEALS['whole_batch_ideal']}.", "",
                   markdown_table(["schedule", "m", "efficiency", "per round", "formula m/(m+p-1)", "error",
-                                  "whole-batch ideal (error)", "stage 1 / stage 0 time"],
+                                  "isolated-microbatch ideal (error)", "whole-batch ideal (error)",
+                                  "stage 1 / stage 0 time"],
                                  [[r["schedule"], r["microbatches"], f"{r['efficiency']:.3f}",
                                    ", ".join(f"{e:.3f}" for e in r["efficiency_per_round"]), f"{r['formula']:.3f}",
                                    f"{r['error']:.3f}",
+                                   f"{r['efficiency_isolated_microbatch_ideal']:.3f} "
+                                   f"({r['error_isolated_microbatch_ideal']:.3f})",
                                    f"{r['efficiency_whole_batch_ideal']:.3f} ({r['error_whole_batch_ideal']:.3f})",
                                    f"{r['stage_balance']:.2f}"] for r in pipe])]
     lines += ["", f"Settings: quick={args.quick}; the machine's 2 cores were shared with other work (see the load "
