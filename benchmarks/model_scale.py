@@ -13,10 +13,12 @@ accuracy against fp32 on the Fashion-MNIST demo.
 3. Pipeline (2 processes, p = 2, wide MLP width 1024, batch 256, 1 thread each, `dtrain run`'s malloc settings):
    measured T = dtrain's pipeline strategy (GPipe and 1F1B) on the batch; ideal T_ideal = m x the time per stage
    of one microbatch from a 1-stage run, as the reference defines it: the whole model in one of the same
-   processes through the same schedule's order over the m microbatches (gradients accumulating), / p;
-   efficiency = T_ideal / T for m = 2, 4, 8 against m / (m + p - 1). Reported beside it: m x one microbatch
-   alone (no accumulation) / p, and the earlier ideal, the whole batch / p (it ignores that a microbatch runs
-   slower per row than the whole batch). Rounds alternate the 1-stage runs and the pipelines; the headline
+   processes through the same schedule's order over the m microbatches (gradients accumulating), run by both
+   processes at the same moment (a bubble-free pipeline keeps every core busy, and on this VM two busy cores slow
+   each other), / p; efficiency = T_ideal / T for m = 2, 4, 8 against m / (m + p - 1). Reported beside it: the
+   same 1-stage run with the other process idle, m x one microbatch alone (no accumulation) / p, and the first
+   ideal, the whole batch / p (it ignores that a microbatch runs slower per row than the whole batch). Rounds
+   alternate the 1-stage runs (alone, both at once) and the pipelines; the headline
    `pipeline_efficiency_error_max` is the largest |median GPipe efficiency - formula| (target <= 0.08).
 4. Precision (1 process): step time of the wide MLP in bf16 and fp16 autocast over fp32, paired per round.
 5. Accuracy (full run only): `dtrain run examples/fashion_mnist/distributed.yaml` for 3 epochs on 2 workers in
@@ -376,6 +378,14 @@ def _pipeline(topology: Any, microbatches: list[int], schedules: list[str], roun
                         median_of_3(one_stage_schedule(m, schedule), False))
         dist.barrier()
 
+    def together() -> None:
+        # Both processes run the 1-stage schedule at the same moment: the machine as busy as in a bubble-free
+        # pipeline, whose p stages all compute all the time (on this VM two busy cores slow each other).
+        for schedule in schedules:
+            for m in microbatches:
+                out.setdefault(f"one_stage_both_{schedule}_m{m}", []).append(
+                    median_of_3(one_stage_schedule(m, schedule), True))
+
     def piped() -> None:
         for key, (strategy, model) in strategies.items():
             def step(strategy: Any = strategy, model: Any = model) -> None:
@@ -385,7 +395,7 @@ def _pipeline(topology: Any, microbatches: list[int], schedules: list[str], roun
             out.setdefault(key, []).append(median_of_3(step, True))
 
     for round_ in range(rounds):
-        for run in ((alone, piped) if round_ % 2 == 0 else (piped, alone)):
+        for run in ((alone, together, piped) if round_ % 2 == 0 else (piped, together, alone)):
             run()
     return {"threads": torch.get_num_threads(), "times": out}
 
@@ -402,7 +412,9 @@ def dtrain_run_malloc() -> dict[str, str]:
 
 IDEALS = {  # name -> (what T_ideal is, for the results)
     "": "the 1-stage run of the same schedule over the m microbatches (the whole model in one process, gradients "
-        "accumulating) / p: m x the time per stage of one microbatch from a 1-stage run (headline)",
+        "accumulating), run by both processes at once, / p: m x the time per stage of one microbatch from a 1-stage "
+        "run with every core as busy as in a bubble-free pipeline (headline)",
+    "alone_ideal": "the same 1-stage run with the other process idle / p (the headline of 05caa59 to a1846aa)",
     "isolated_microbatch_ideal": "m x one microbatch's forward+backward alone (no accumulation) / p",
     "whole_batch_ideal": "the whole batch's forward+backward in one process / p (this benchmark's earlier ideal)",
 }
@@ -410,9 +422,10 @@ IDEALS = {  # name -> (what T_ideal is, for the results)
 
 def pipeline_rows(microbatches: list[int], schedules: list[str], rounds: int, batch: int, width: int,
                   log: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Efficiency = T_ideal / T per round, for the three ideals of IDEALS. The headline's is the reference's "time
-    per stage from a 1-stage run": what the pipeline's stages do without the bubble and the sends. The other two
-    leave out gradient accumulation over the microbatches (isolated microbatch) or also that a microbatch runs
+    """Efficiency = T_ideal / T per round, for the four ideals of IDEALS. The headline's is the reference's "time
+    per stage from a 1-stage run", measured with both processes computing at once: what the pipeline's stages do
+    without the bubble and the sends, on a machine as busy as theirs. The others leave out that the other core is
+    busy (alone), gradient accumulation over the microbatches (isolated microbatch), or also that a microbatch runs
     slower per row than the whole batch (whole batch)."""
     from dtrain.plan.memory import pipeline_efficiency
 
@@ -430,7 +443,8 @@ def pipeline_rows(microbatches: list[int], schedules: list[str], rounds: int, ba
         for m in microbatches:
             rows_per_micro = batch // m
             measured = times[f"{schedule}_m{m}"]
-            ideals = {"": [t / stages for t in times[f"one_stage_{schedule}_m{m}"]],
+            ideals = {"": [t / stages for t in times[f"one_stage_both_{schedule}_m{m}"]],
+                      "alone_ideal": [t / stages for t in times[f"one_stage_{schedule}_m{m}"]],
                       "isolated_microbatch_ideal": [m * t / stages for t in times[f"whole_b{rows_per_micro}"]],
                       "whole_batch_ideal": [t / stages for t in times[f"whole_b{batch}"]]}
             formula = pipeline_efficiency(stages, m)
@@ -456,7 +470,8 @@ def pipeline_rows(microbatches: list[int], schedules: list[str], rounds: int, ba
             row.update(stage0_seconds=stage0, stage1_seconds=stage1,
                        stage_balance=median([b / a for a, b in zip(stage0, stage1, strict=True)]))
             rows.append(row)
-            log(f"  {schedule} m={m}: efficiency {row['efficiency']:.3f} (formula {formula:.3f}); with the isolated "
+            log(f"  {schedule} m={m}: efficiency {row['efficiency']:.3f} (formula {formula:.3f}); with the 1-stage "
+                f"run alone {row['efficiency_alone_ideal']:.3f}, the isolated "
                 f"microbatch ideal {row['efficiency_isolated_microbatch_ideal']:.3f}, the whole-batch ideal "
                 f"{row['efficiency_whole_batch_ideal']:.3f}; stage 1 / stage 0 time {row['stage_balance']:.2f}")
     headline["pipeline_efficiency_error_max"] = max(errors["gpipe"])
@@ -649,14 +664,17 @@ def _markdown(headline: dict[str, Any], rows: list[dict[str, Any]], args: argpar
     if pipe:
         lines += ["", "Pipeline efficiency T_ideal / T (p = 2, wide MLP width 1024, batch 256, 1 thread per process, "
                   "dtrain run's malloc settings), medians of the per-round ratios. Headline T_ideal: "
-                  f"{IDEALS['']}. Beside it: isolated microbatch = {IDEALS['isolated_microbatch_ideal']}; "
+                  f"{IDEALS['']}. Beside it: alone = {IDEALS['alone_ideal']}; "
+                  f"isolated microbatch = {IDEALS['isolated_microbatch_ideal']}; "
                   f"whole batch = {IDEALS['whole_batch_ideal']}.", "",
                   markdown_table(["schedule", "m", "efficiency", "per round", "formula m/(m+p-1)", "error",
-                                  "isolated-microbatch ideal (error)", "whole-batch ideal (error)",
+                                  "1-stage alone ideal (error)", "isolated-microbatch ideal (error)",
+                                  "whole-batch ideal (error)",
                                   "stage 1 / stage 0 time"],
                                  [[r["schedule"], r["microbatches"], f"{r['efficiency']:.3f}",
                                    ", ".join(f"{e:.3f}" for e in r["efficiency_per_round"]), f"{r['formula']:.3f}",
                                    f"{r['error']:.3f}",
+                                   f"{r['efficiency_alone_ideal']:.3f} ({r['error_alone_ideal']:.3f})",
                                    f"{r['efficiency_isolated_microbatch_ideal']:.3f} "
                                    f"({r['error_isolated_microbatch_ideal']:.3f})",
                                    f"{r['efficiency_whole_batch_ideal']:.3f} ({r['error_whole_batch_ideal']:.3f})",
