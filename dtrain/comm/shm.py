@@ -135,6 +135,7 @@ class ShmAllGather:
                     and self._header[3] == self.layout.count)
 
     def pids(self) -> list[int]:
+        """Every rank's process id as it wrote it into the header (0 for a rank that has not mapped it yet)."""
         return [int(p) for p in self._header[4:4 + self.layout.world]]
 
     def gather(self, send: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -209,7 +210,8 @@ def _boot_id() -> str:
 
 
 def _group_timeout() -> float:
-    """The default process group's timeout in seconds (torch's default when it cannot be read)."""
+    """The default process group's timeout in seconds (torch's default when it cannot be read). Reads the gloo
+    backend's private options, as comm/stall.py writes them; tests/unit/test_torch_private_api.py pins both."""
     import torch
     import torch.distributed as dist
 
@@ -221,6 +223,7 @@ def _group_timeout() -> float:
 
 
 def check_mode(mode: str, what: str = "exchange") -> str:
+    """`mode` if it is one of MODES, else one ConfigError line naming the choices."""
     if mode not in MODES:
         raise ConfigError(f"{what} {mode!r} is not one of {', '.join(MODES)}; use auto (shared memory when every "
                           "rank is on this host with a core of its own, else gloo), gloo or shm")

@@ -73,6 +73,7 @@ class PairExchange:
         if self.shm is not None:
             self.shm.close()
             self.shm = None
+
     def reduce(self, values: np.ndarray, op: str) -> np.ndarray:
         """An all-reduce ('sum', 'min' or 'max') of a small float64 vector, timed like the exchange."""
         if not self.distributed:

@@ -125,6 +125,8 @@ class DistributedSMO:
         self.stats.min_active = min(self.stats.min_active, len(self.pos))
 
     def _set_pens(self, c: int) -> None:
+        """Sample c's index-set penalties after its alpha moved: `_compact`'s rule for one sample (scalar, as it runs
+        twice per iteration)."""
         a, y, bound = self.aa[c], self.ya[c], self.ca[c]
         self.pen_up[c] = 0.0 if (a < bound if y > 0 else a > 0) else np.inf
         self.pen_low[c] = 0.0 if (a > 0 if y > 0 else a < bound) else -np.inf
@@ -152,19 +154,13 @@ class DistributedSMO:
             np.add(self.fa, pen, out=self.buf)
             if side == 1:
                 np.negative(self.buf, out=self.buf)
-            if slots == 1:
-                picked = np.array([int(np.argmin(self.buf))])
-            else:
-                k = min(slots, n)
-                picked = np.argpartition(self.buf, k - 1)[:k] if k < n else np.arange(n)
-                picked = picked[np.argsort(self.buf[picked], kind="stable")]
+            k = min(slots, n)
+            picked = np.argpartition(self.buf, k - 1)[:k] if k < n else np.arange(n)
+            picked = picked[np.argsort(self.buf[picked], kind="stable")]
             for r, c in enumerate(picked):
                 if not np.isfinite(self.buf[c]):
                     break
-                row = rows[r]
-                row[FVAL], row[INDEX], row[ALPHA] = self.fa[c], self.start + self.pos[c], self.aa[c]
-                row[LABEL], row[BOUND], row[KDIAG] = self.ya[c], self.ca[c], self.kda[c]
-                self.xa.dense_row(int(c), row[FIELDS:])
+                self._fill_candidate(rows[r], int(c))
 
     def _pack_pair(self, send: np.ndarray) -> None:
         """`_pack` for one candidate per side (the pair algorithm): an argmin and an argmax, no sorting."""
@@ -180,9 +176,13 @@ class DistributedSMO:
             if not found:
                 row[INDEX], row[FVAL] = -1.0, (np.inf if side == 0 else -np.inf)
                 continue
-            row[FVAL], row[INDEX], row[ALPHA] = self.fa[c], self.start + self.pos[c], self.aa[c]
-            row[LABEL], row[BOUND], row[KDIAG] = self.ya[c], self.ca[c], self.kda[c]
-            self.xa.dense_row(c, row[FIELDS:])
+            self._fill_candidate(row, c)
+
+    def _fill_candidate(self, row: np.ndarray, c: int) -> None:
+        """One exchange row for active sample c: its f, global index, alpha, label, bound, K(x, x) and features."""
+        row[FVAL], row[INDEX], row[ALPHA] = self.fa[c], self.start + self.pos[c], self.aa[c]
+        row[LABEL], row[BOUND], row[KDIAG] = self.ya[c], self.ca[c], self.kda[c]
+        self.xa.dense_row(c, row[FIELDS:])
 
     def _row(self, index: int, x: np.ndarray) -> np.ndarray:
         """K(x_index, active samples of this rank), from the cache or computed (and cached)."""

@@ -89,10 +89,8 @@ def test_a_missing_peer_times_out_with_one_line(segment: Path) -> None:
     layout = Layout(world=2, count=4)
     channel = ShmAllGather(segment, layout, 0, create=True, policy=WaitPolicy(timeout_seconds=0.3))
     channel.watch_pids = False
-    started = time.perf_counter()
     with pytest.raises(StallError, match="waited 0.3 s in the shared-memory all-gather .call 1. for rank 1"):
         channel.gather(np.zeros(4), np.empty((2, 4)))
-    assert time.perf_counter() - started < 10
     channel.close()
 
 

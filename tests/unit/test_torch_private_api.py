@@ -31,6 +31,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from dtrain.comm.shm import _group_timeout
 from dtrain.comm.stall import TESTED_TORCH, default_store, set_collective_timeout
 from dtrain.data.arrays import ArrayDataset, keep_batch
 
@@ -81,15 +82,18 @@ def test_get_default_store_returns_the_groups_store(one_rank_group: dist.Process
 
 
 def test_set_pg_timeout_sets_the_gloo_timeout(one_rank_group: dist.ProcessGroup) -> None:
-    """comm/stall.py set_collective_timeout(): distributed.timeout_seconds for a group created with another one."""
+    """comm/stall.py set_collective_timeout(): distributed.timeout_seconds for a group created with another one;
+    comm/shm.py reads it back from the same private field (a shared-memory wait gives up after it)."""
     _takes(distributed_c10d._set_pg_timeout, timedelta(seconds=1))
     backend = one_rank_group._get_backend(torch.device("cpu"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # torch warns when it has no backend to set the timeout on
         set_collective_timeout(7.0)
     assert backend.options._timeout == timedelta(seconds=7)
+    assert _group_timeout() == 7.0
     set_collective_timeout(60.0)
     assert backend.options._timeout == timedelta(seconds=60)
+    assert _group_timeout() == 60.0
 
 
 # ------------------------------------------------------------------------------- sync/allreduce.py
