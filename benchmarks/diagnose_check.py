@@ -8,7 +8,9 @@ worker.
    Alternating, `--rounds` times: `dtrain diagnose` (its communication overhead comes from the phase timers of
    a trial as configured against one with aggregation_frequency 1000), then a direct measurement that shares
    no code with dtrain: a plain DDP loop under torchrun on the same model and batches, alternating blocks of
-   steps with and without `no_sync()`; overhead = (synced - unsynced) / synced step time.
+   steps with and without `no_sync()`; overhead = 1 - (median unsynced step) / (median synced step), the
+   median over the pairs of neighbouring blocks (`--comm-blocks`, 12), so that a slow spell of the machine is
+   shared by both sides; the diagnosis runs `--comm-steps` (80) batches per trial.
    Headline `comm_overhead_error_points`: |diagnosed - direct| in percentage points, paired within each round;
    the median of the rounds, with `comm_overhead_error_points_per_round` and `_max` (target: every round <= 10).
 2. Input pipeline (loopback): `dtrain diagnose` on the same workload with `load_delay_ms` per batch, swept
@@ -28,7 +30,7 @@ worker.
      noise on a shared 2-core machine is several percent, so it confirms, it cannot resolve 2%).
    Plus the timers' own bookkeeping per step, timed in-process, as a share of the step.
 
-    flock /tmp/dtrain-bench.lock python benchmarks/diagnose_check.py            # about 8 minutes on 2 cores
+    flock /tmp/dtrain-bench.lock python benchmarks/diagnose_check.py            # about 20 minutes on 2 cores
     flock /tmp/dtrain-bench.lock python benchmarks/diagnose_check.py --quick    # 1 round, short trials
 
 Writes benchmarks/results/diagnose_check.{json,md} and copies the 1 Gbit/s diagnosis chart to
@@ -131,8 +133,12 @@ def direct_overhead(ns: Any, blocks: int, block_steps: int, workdir: Path) -> di
     """Communication overhead % of the plain DDP loop inside namespace `ns`."""
     times = run_worker("--direct-worker", blocks, block_steps, workdir, wrap=ns.wrap)
     synced, unsynced = statistics.median(times["synced"]), statistics.median(times["unsynced"])
+    # Paired block by block (each synced block beside the unsynced block run next to it), so that a slow spell of
+    # the shared machine in part of the run does not land on one side only.
+    unsynced_over_synced = paired_block_ratio(times["unsynced"], times["synced"], block_steps)
     return {"synced_ms": synced * 1e3, "unsynced_ms": unsynced * 1e3,
-            "overhead_percent": 100.0 * (synced - unsynced) / synced}
+            "overhead_percent": 100.0 * (1.0 - unsynced_over_synced),
+            "overhead_percent_of_medians": 100.0 * (synced - unsynced) / synced}
 
 
 # ------------------------------------------------------------------------------------ diagnose
@@ -337,7 +343,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one round, short trials (a check, not a result)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of each part (default 3)")
-    parser.add_argument("--steps", type=int, default=40, help="batches per diagnosis trial (default 40)")
+    parser.add_argument("--steps", type=int, default=40, help="batches per input-pipeline diagnosis (default 40)")
+    parser.add_argument("--comm-steps", type=int, default=80,
+                        help="batches per communication diagnosis at 1 Gbit/s (default 80)")
+    parser.add_argument("--comm-blocks", type=int, default=12,
+                        help="pairs of 10-step synced/unsynced blocks of the direct measurement (default 12)")
     parser.add_argument("--timer-rounds", type=int, default=4,
                         help="alternating pairs of whole runs with the timers on and off (default 4)")
     parser.add_argument("--load-delays-ms", default="0,5,10,20,40",
@@ -373,7 +383,8 @@ def main() -> None:
             headline["comm_overhead_error_points"] = None
             headline["comm_skipped_because"] = reason
         else:
-            comm_rows, network, chart = communication_part(rounds, steps, 6 if not args.quick else 2, 10, workdir)
+            comm_rows, network, chart = communication_part(rounds, 12 if args.quick else args.comm_steps,
+                                                          2 if args.quick else args.comm_blocks, 10, workdir)
             rows += comm_rows
             errors = [abs(r["diagnosed_percent"] - r["direct_percent"]) for r in comm_rows]
             headline.update(comm_overhead_error_points=statistics.median(errors),
