@@ -71,14 +71,21 @@ class Kernel:
         return dot if self.name == "linear" else float((self.gamma * dot + self.coef0) ** self.degree)
 
     def block(self, left: np.ndarray, right: np.ndarray) -> np.ndarray:
-        """K(left_a, right_b) for two dense blocks (rows are samples)."""
-        dots = left @ right.T
+        """K(left_a, right_b) for two dense blocks (rows are samples), built in place on the product (the
+        reconstruction's blocks are millions of values: no temporaries of that size)."""
+        out = left @ right.T
         if self.name == "linear":
-            return dots
+            return out
         if self.name == "rbf":
-            sq = (left * left).sum(axis=1)[:, None] + (right * right).sum(axis=1)[None, :] - 2.0 * dots
-            return np.exp(-self.gamma * np.maximum(sq, 0.0))
-        return np.power(self.gamma * dots + self.coef0, self.degree)
+            out *= -2.0
+            out += np.einsum("ij,ij->i", left, left)[:, None]
+            out += np.einsum("ij,ij->i", right, right)[None, :]
+            np.maximum(out, 0.0, out=out)
+            out *= -self.gamma
+            return np.exp(out, out=out)
+        out *= self.gamma
+        out += self.coef0
+        return np.power(out, self.degree, out=out)
 
 
 def resolve_gamma(gamma: float | str, features: np.ndarray | object, n_features: int) -> float:
