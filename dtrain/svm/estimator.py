@@ -284,6 +284,9 @@ def summarize(problems: list[dict[str, Any]]) -> dict[str, Any]:
         "rows_computed": sum(s.get("rows_computed", 0) for s in first),  # on rank 0 (every rank computes the same)
         "comm_seconds": max(sum(p["ranks"][r]["comm_seconds"] for p in problems) for r in range(world)),
         "solve_seconds": max(sum(p["ranks"][r]["solve_seconds"] for p in problems) for r in range(world)),
+        "check_seconds": max(sum(p["ranks"][r].get("check_seconds", 0.0) for p in problems) for r in range(world)),
+        "reconstruct_seconds": max(sum(p["ranks"][r].get("reconstruct_seconds", 0.0) for p in problems)
+                                   for r in range(world)),
         "eliminated_per_rank": per_rank_eliminated,
         "reactivated_per_rank": per_rank_reactivated,
         "eliminated": sum(per_rank_eliminated),

@@ -69,6 +69,8 @@ class SolverStats:
     min_active: int = 0
     comm_seconds: float = 0.0
     solve_seconds: float = 0.0
+    check_seconds: float = 0.0  # elimination checks and the compactions they caused
+    reconstruct_seconds: float = 0.0  # bringing eliminated samples' f up to date (rechecks, checkpoints)
     cache_hits: int = 0
     cache_misses: int = 0
     final_gap: float = float("nan")
@@ -259,6 +261,13 @@ class DistributedSMO:
     # ------------------------------------------------------------------ elimination and recheck
 
     def _eliminate(self) -> None:
+        started = time.perf_counter()
+        try:
+            self._eliminate_now()
+        finally:
+            self.stats.check_seconds += time.perf_counter() - started
+
+    def _eliminate_now(self) -> None:
         streak = self.streak[self.pos]
         chosen = self.policy.select(self.fa, self.pen_up, self.pen_low, self.b_up, self.b_low, streak)
         self.streak[self.pos] = streak
@@ -275,8 +284,10 @@ class DistributedSMO:
 
     def refresh(self) -> None:
         """Bring the f of every eliminated sample up to date (no communication)."""
+        started = time.perf_counter()
         self._write_back()
         self.stats.kernel_evaluations += self.ledger.reconstruct(self.f, self.block.dense_rows, self.kernel)
+        self.stats.reconstruct_seconds += time.perf_counter() - started
 
     def _extremes_all(self) -> tuple[float, float]:
         """(b_up, b_low) over all of this rank's samples, eliminated ones included (f must be current)."""
