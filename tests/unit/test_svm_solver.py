@@ -157,6 +157,45 @@ def test_row_cache_keeps_to_its_byte_budget_and_follows_compaction() -> None:
     assert cache.get(7).shape == (3,)  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_kernel_rows_and_blocks_match_scikit_learn(three_vs_eight: tuple[np.ndarray, ...], kernel: str) -> None:
+    """A row (the SMO loop's) and a block (the reconstruction's) against scikit-learn's pairwise kernels, to 1e-12."""
+    from sklearn.metrics.pairwise import linear_kernel, polynomial_kernel, rbf_kernel
+
+    X = three_vs_eight[0][:40]
+    ours = kernel_of(KERNELS[kernel], X)
+    reference = {"rbf": lambda a, b: rbf_kernel(a, b, gamma=ours.gamma), "linear": linear_kernel,
+                 "poly": lambda a, b: polynomial_kernel(a, b, degree=ours.degree, gamma=ours.gamma,
+                                                        coef0=ours.coef0)}[kernel](X[:25], X)
+    np.testing.assert_allclose(ours.block(X[:25], X), reference, rtol=1e-12, atol=1e-12)
+    sq = np.einsum("ij,ij->i", X, X)
+    np.testing.assert_allclose(ours.from_dots(X @ X[3], float(sq[3]), sq), reference[3], rtol=1e-12, atol=1e-12)
+
+
+def test_row_cache_compacts_rows_of_any_age_like_the_active_set() -> None:
+    """Rows put at different times and read after any number of compactions line up with the active samples: a
+    row's entries are the sample ids it was computed over, so each read must give the ids still active."""
+    rng = np.random.default_rng(7)
+    cache = KernelRowCache(budget_bytes=10**6)
+    active = np.arange(50.0)  # the ids of the active samples, in the rank's compacted order
+    rows: dict[int, int] = {}  # key -> compactions seen when the row was put
+    for step in range(60):
+        action = rng.integers(3)
+        if action == 0 or not rows:
+            key = int(rng.integers(1000))
+            cache.put(key, active.copy())
+            rows[key] = step
+        elif action == 1 and len(active) > 5:
+            keep = np.sort(rng.choice(len(active), size=len(active) - int(rng.integers(1, 4)), replace=False))
+            cache.compact(keep)
+            active = active[keep]
+        else:
+            key = int(rng.choice(list(rows)))
+            row = cache.get(key)
+            assert row is not None and np.array_equal(row, active)
+    assert cache.bytes == sum(entry[0].nbytes for entry in cache._rows.values())
+
+
 def test_estimator_api() -> None:
     model = SVC(C=3.0, kernel="linear", shrinking="earliest")
     assert clone(model).get_params()["C"] == 3.0
