@@ -8,7 +8,10 @@ run back to back in alternating order:
 - `r1_none`, `r1_earliest`, `r1_lazy`: 1 rank, elimination off / earliest / lazy;
 - `r2_none_<x>`, `r2_earliest_<x>`, `r2_lazy_<x>`: 2 ranks, elimination off / earliest / lazy, with the
   per-iteration exchange `<x>` = `shm` (shared memory, dtrain.comm.shm) and `gloo`, otherwise the same settings;
-- `sklearn`: scikit-learn's `SVC` (libsvm, one process, shrinking on), the same kernel, C, gamma and tol.
+- `sklearn`, `sklearn_noshrink`: scikit-learn's `SVC` (libsvm, one process) with shrinking on and off, the same
+  kernel, C, gamma and tol.
+
+`--exchanges shm` (or `gloo`) runs the 2-rank variants through one exchange only (the default runs both).
 
 Headline (medians of ratios paired within a round, per-round values beside them), on the exchange whose 2-rank
 time without elimination is lower (`exchange`), with the same figures for the other beside them (`_gloo` or
@@ -17,7 +20,12 @@ time without elimination is lower (`exchange`), with the same figures for the ot
 - `speedup_2_ranks` = time(1 rank) / time(2 ranks), elimination off on both; target >= 1.6
   (`speedup_2_ranks_lazy`: the same with lazy elimination on both);
 - `time_vs_sklearn` = time(2 ranks, best heuristic) / time(scikit-learn), reported as measured;
-- `elimination_time_saving_1_rank` = 1 - time(1 rank, best heuristic) / time(1 rank, none).
+- `elimination_time_saving_1_rank` = 1 - time(1 rank, best heuristic) / time(1 rank, none);
+- `elimination_saving_without_bookkeeping` = 1 - (time(2 ranks, best) - its check and reconstruction seconds)
+  / time(2 ranks, none): what elimination would save if its checks, compactions and reconstruction were free
+  (those seconds are the slowest rank's, so this is an estimate);
+- `sklearn_shrinking_saving` = 1 - time(scikit-learn, shrinking on) / time(scikit-learn, shrinking off): what
+  libsvm's own elimination saves on the same problem.
 Also the communication share of the 2-rank time and the figures of each fit (iterations, kernel evaluations,
 rows computed, eliminations per rank, reconstructions, final KKT gap, the exchange used).
 
@@ -133,7 +141,8 @@ def fit_row(result: dict[str, Any]) -> dict[str, Any]:
                    comm_seconds=stats["comm_seconds"], eliminated_per_rank=stats["eliminated_per_rank"],
                    reactivated=stats["reactivated"], final_kkt_gap=stats["final_kkt_gap"],
                    dual_objective=stats["dual_objective"], exchange=stats.get("exchange", "local"),
-                   rows_computed=stats.get("rows_computed", 0))
+                   rows_computed=stats.get("rows_computed", 0), check_seconds=stats.get("check_seconds", 0.0),
+                   reconstruct_seconds=stats.get("reconstruct_seconds", 0.0))
     return row
 
 
@@ -151,8 +160,13 @@ def _saving(seconds: dict[str, list[float]], prefix: str, suffix: str = "") -> t
 def _figures(seconds: dict[str, list[float]], rows: list[dict[str, Any]], x: str) -> dict[str, Any]:
     """The 2-rank headline figures with exchange `x`."""
     best, saving = _saving(seconds, "r2_", f"_{x}")
+    bookkeeping = [c + r for c, r in zip(rounds_of(rows, f"r2_{best}_{x}", "check_seconds"),
+                                         rounds_of(rows, f"r2_{best}_{x}", "reconstruct_seconds"), strict=True)]
+    net = [1.0 - (t - b) / n for t, b, n in zip(seconds[f"r2_{best}_{x}"], bookkeeping, seconds[f"r2_none_{x}"],
+                                               strict=True)]
     return {"elimination_time_saving": saving["value"], "elimination_time_saving_per_round": saving["per_round"],
-            "best_heuristic": best,
+            "best_heuristic": best, "elimination_saving_without_bookkeeping": median(net),
+            "elimination_saving_without_bookkeeping_per_round": net,
             **ratio_headline("speedup_2_ranks", seconds["r1_none"], seconds[f"r2_none_{x}"]),
             **ratio_headline("speedup_2_ranks_lazy", seconds["r1_lazy"], seconds[f"r2_lazy_{x}"]),
             **ratio_headline("time_vs_sklearn", seconds[f"r2_{best}_{x}"], seconds["sklearn"]),
@@ -162,40 +176,46 @@ def _figures(seconds: dict[str, list[float]], rows: list[dict[str, Any]], x: str
 
 def timing(args: argparse.Namespace) -> None:
     base = {"samples": args.samples, "test_samples": args.test_samples}
-    variants = [
-        ("r1_none", _dtrain(base, "none", 1)),
-        ("r2_none_shm", _dtrain(base, "none", 2, "shm")),
-        ("r2_none_gloo", _dtrain(base, "none", 2, "gloo")),
-        ("r2_earliest_shm", _dtrain(base, "earliest", 2, "shm")),
-        ("r2_earliest_gloo", _dtrain(base, "earliest", 2, "gloo")),
-        ("r2_lazy_shm", _dtrain(base, "lazy", 2, "shm")),
-        ("r2_lazy_gloo", _dtrain(base, "lazy", 2, "gloo")),
+    exchanges = ("shm", "gloo") if args.exchanges == "both" else (args.exchanges,)
+    variants = [("r1_none", _dtrain(base, "none", 1))]
+    for heuristic in ("none", "earliest", "lazy"):
+        variants += [(f"r2_{heuristic}_{x}", _dtrain(base, heuristic, 2, x)) for x in exchanges]
+    variants += [
         ("r1_earliest", _dtrain(base, "earliest", 1)),
         ("r1_lazy", _dtrain(base, "lazy", 1)),
         ("sklearn", lambda _: fit_row(run_job({**base, "kind": "sklearn", "shrinking": "lazy"}, 1))),
+        ("sklearn_noshrink", lambda _: fit_row(run_job({**base, "kind": "sklearn", "shrinking": "none"}, 1))),
     ]
     rows = alternate(variants, args.rounds)
     seconds = {label: rounds_of(rows, label, "seconds") for label, _ in variants}
-    fastest = min(("shm", "gloo"), key=lambda x: median(seconds[f"r2_none_{x}"]))
-    other = "gloo" if fastest == "shm" else "shm"
+    fastest = min(exchanges, key=lambda x: median(seconds[f"r2_none_{x}"]))
+    others = [x for x in exchanges if x != fastest]
     best_1, saving_1 = _saving(seconds, "r1_")
-    figures = {x: _figures(seconds, rows, x) for x in (fastest, other)}
+    figures = {x: _figures(seconds, rows, x) for x in exchanges}
+    sklearn_ratio = ratio_headline("ratio", seconds["sklearn"], seconds["sklearn_noshrink"])
     headline: dict[str, Any] = {
         "exchange": fastest,
         **figures[fastest],
-        **{f"{key}_{other}": value for key, value in figures[other].items()},
+        **{f"{key}_{other}": value for other in others for key, value in figures[other].items()},
+        "sklearn_shrinking_saving": 1.0 - sklearn_ratio["ratio"],
+        "sklearn_shrinking_saving_per_round": [1.0 - r for r in sklearn_ratio["ratio_per_round"]],
         "elimination_time_saving_1_rank": saving_1["value"],
         "elimination_time_saving_1_rank_per_round": saving_1["per_round"],
         "best_heuristic_1_rank": best_1,
         "targets": {"elimination_time_saving": ">= 0.30", "speedup_2_ranks": ">= 1.6"},
         "samples": args.samples,
     }
+    def med(label: str, key: str) -> str:
+        return f"{median([r.get(key, 0.0) for r in rows if r['variant'] == label]):.2f}"
+
     table = markdown_table(["variant", "median s", "per round s", "iterations", "rows computed", "comm s",
-                            "eliminated/rank", "reactivated", "KKT gap", "accuracy", "exchange"],
+                            "checks s", "reconstruct s", "eliminated/rank", "reactivated", "KKT gap", "accuracy",
+                            "exchange"],
                            [[label, f"{median(seconds[label]):.2f}", ", ".join(f"{s:.2f}" for s in seconds[label]),
                              next((r.get("iterations", "") for r in rows if r["variant"] == label), ""),
                              next((r.get("rows_computed", "") for r in rows if r["variant"] == label), ""),
-                             f"{median([r.get('comm_seconds', 0.0) for r in rows if r['variant'] == label]):.2f}",
+                             med(label, "comm_seconds"), med(label, "check_seconds"),
+                             med(label, "reconstruct_seconds"),
                              next((r.get("eliminated_per_rank", "") for r in rows if r["variant"] == label), ""),
                              next((r.get("reactivated", "") for r in rows if r["variant"] == label), ""),
                              next((f"{r['final_kkt_gap']:.2e}" for r in rows if r["variant"] == label
@@ -214,12 +234,16 @@ def timing(args: argparse.Namespace) -> None:
                 f"with lazy elimination {h['speedup_2_ranks_lazy']:.3f}; time_vs_sklearn "
                 f"(2 ranks {h['best_heuristic']} / sklearn SVC, shrinking on) "
                 f"**{h['time_vs_sklearn']:.3f}**; communication share of the 2-rank time (elimination "
-                f"off) {h['comm_share_2_ranks']:.2f}\n")
+                f"off) {h['comm_share_2_ranks']:.2f}; without the elimination's checks and reconstruction "
+                f"(slowest rank's seconds) the saving would be {h['elimination_saving_without_bookkeeping']:.3f}\n")
 
     markdown = (f"# svm\n\nFashion-MNIST 6-vs-0, {args.samples} training samples, RBF, C={C}, gamma={GAMMA}, "
                 f"tol={TOL}; {args.rounds} rounds, variants alternating. Headline on the faster exchange "
-                f"({fastest}), the other beside it.\n\n"
-                + line(fastest) + line(other)
+                f"({fastest}){', the other beside it' if others else ''}.\n\n"
+                + "".join(line(x) for x in (fastest, *others))
+                + f"- scikit-learn's own shrinking saves **{headline['sklearn_shrinking_saving']:.3f}** (1 - time "
+                f"shrinking on / off), per round "
+                f"{', '.join(f'{v:.3f}' for v in headline['sklearn_shrinking_saving_per_round'])}\n"
                 + f"- elimination_time_saving at 1 rank ({best_1} vs none): "
                 f"**{headline['elimination_time_saving_1_rank']:.3f}**, per round "
                 f"{', '.join(f'{v:.3f}' for v in headline['elimination_time_saving_1_rank_per_round'])}\n"
@@ -278,6 +302,8 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="the correctness comparison against scikit-learn "
                         "at 1, 2 and 4 ranks instead of the timing")
     parser.add_argument("--check-ranks", type=int, nargs="+", default=[1, 2, 4], help="ranks for --check")
+    parser.add_argument("--exchanges", choices=("both", "shm", "gloo"), default="both", help="the per-iteration "
+                        "exchange(s) of the 2-rank variants (default both)")
     parser.add_argument("--results-name", default="svm", help="name of the timing results files in "
                         "benchmarks/results (default svm; e.g. svm_10000 for a run at another size)")
     args = parser.parse_args()
