@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,12 +103,26 @@ class RunStore:
 
     def add_metrics(self, trial_id: int, kind: str, rows: Iterable[tuple[int, float | None, float | None,
                                                                          Mapping[str, float]]]) -> None:
-        """Insert (step, epoch, wall_seconds, {name: value}) rows of one kind ('training' or 'validation')."""
+        """Insert (step, epoch, wall_seconds, {name: value}) rows of one kind ('training' or 'validation'), all or
+        none of them, in one transaction."""
         flat = [(trial_id, kind, step, epoch, wall, name, float(value))
                 for step, epoch, wall, values in rows for name, value in values.items()]
         if flat:
-            with self._conn:
+            with self._transaction():
                 self._conn.executemany("INSERT INTO metrics VALUES (?,?,?,?,?,?,?)", flat)
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One explicit transaction. The connection is in autocommit mode (isolation_level None), where
+        `with connection:` begins nothing: an executemany of N rows was N transactions, each ending with an fsync
+        of the write-ahead log (a report of 100 updates: 600 fsyncs and 0.13 s of the writer thread's CPU)."""
+        self._conn.execute("BEGIN")
+        try:
+            yield
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
 
     def experiments(self) -> list[tuple[ExperimentRow, TrialRow | None]]:
         rows = self._conn.execute("SELECT id, name, description, config, created_at FROM experiments ORDER BY id")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,20 @@ def test_experiments_trials_and_metrics(tmp_path: Path) -> None:
     assert last.summary == {"steps_completed": 2} and last.ended_at is not None
     store.close()
     assert RunStore(tmp_path / "m.db").experiment(exp) is not None
+
+
+def test_a_batch_of_rows_is_one_transaction(tmp_path: Path) -> None:
+    """add_metrics writes all of its rows or none (one transaction, so one fsync per report instead of one per
+    row): a row SQLite refuses (a NaN is stored as NULL, which `value NOT NULL` rejects) leaves none behind."""
+    store = RunStore(tmp_path / "m.db")
+    trial = store.create_trial(store.create_experiment("e", "", "name: e\n"), tmp_path, {}, 2)
+    with pytest.raises(sqlite3.IntegrityError):
+        store.add_metrics(trial, "training", [(1, 0.1, 1.0, {"loss": 2.0, "lr": 0.1}),
+                                              (2, 0.2, 2.0, {"loss": float("nan"), "lr": 0.1})])
+    assert store.metric_series(trial, "training") == {}
+    store.add_metrics(trial, "training", [(3, 0.3, 3.0, {"loss": 1.0})])
+    assert store.metric_series(trial, "training") == {"loss": [(3, 1.0)]}
+    store.close()
 
 
 def test_new_run_dir_is_registered(runs_root: Path) -> None:
