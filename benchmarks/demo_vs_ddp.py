@@ -127,7 +127,14 @@ def run_dtrain(epochs: int, target: float, workdir: Path, repeat: int, memory_fo
                for e in summary["validation_history"]]
     return {"time_to_target_s": time_to(history, target), "final_accuracy": history[-1]["accuracy"],
             "training_wall_s": summary["wall_seconds"], "process_wall_s": time.perf_counter() - began,
-            "history": history}
+            "history": history, "phase_median_ms": phase_medians(summary)}
+
+
+def phase_medians(summary: dict[str, Any]) -> list[dict[str, float]]:
+    """Each rank's median milliseconds per step of every phase that ran (the run's own phase timers; `optimizer`
+    holds the update guard's all-reduce), so that a gap can be traced to a phase."""
+    return [{name: round(seconds * 1e3, 3) for name, seconds in rank.get("median_seconds", {}).items() if seconds > 0}
+            for rank in summary.get("profile", {}).get("ranks", [])]
 
 
 def hand_malloc_environment(same_as_dtrain: bool) -> dict[str, str]:
