@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from dtrain.comm import Topology, any_rank, broadcast_object
+from dtrain.comm.shm import ShmAllGather, setup_allgather
 from dtrain.config import ExperimentConfig, effective_precision, model_parallel_size
 from dtrain.data.sharding import BatchSplit, split_by_sizes
 from dtrain.data.synthetic import synthetic_replay
@@ -180,7 +181,7 @@ class Trainer:
         self.stop = GracefulStop()
         self.guard = UpdateGuard(config.nan_policy, config.max_consecutive_nan_skips, self.stop,
                                  skipped=self.state.nan_steps_skipped, collective=self.pacing.lockstep,
-                                 rank=topology.rank)
+                                 rank=topology.rank, exchange=self._guard_exchange())
         self.wire = WireMeter(self.strategy)
         self.training_metrics = TrainingMetrics()
         self.update_began_after = self.state.steps_completed  # the batch after which the current update began
@@ -238,6 +239,13 @@ class Trainer:
         if profiler.enabled and self.topology.is_distributed and isinstance(self.strategy, TimesWaits):
             self.strategy.observe_waits(profiler.timer.carve)
         return profiler
+
+    def _guard_exchange(self) -> ShmAllGather | None:
+        """The shared-memory all-gather that carries the update guard's flags when every rank is on this host with a
+        core of its own (a collective: every rank builds its Trainer); None where the guard uses gloo."""
+        if not (self.pacing.lockstep and self.topology.is_distributed):
+            return None
+        return setup_allgather(2, "auto", what="the update guard's exchange")
 
     def _resume(self, checkpoint: Checkpoint) -> TrainerState:
         return resume(checkpoint, self.run_dir / "checkpoints", self.checkpoint_state, self.optimization,
@@ -513,5 +521,6 @@ class Trainer:
             write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
             self.metrics.status(self.status, summary)
         self.metrics.close()
+        self.guard.close()
         self.strategy.close()
         return summary
