@@ -7,6 +7,7 @@ import json
 import statistics
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -82,3 +83,42 @@ def test_a_tree_is_dirty_for_changed_code_but_not_for_changed_result_files(tmp_p
     assert common.git_commit(tmp_path)["dirty"] is False
     (tmp_path / "code.py").write_text("x = 2\n")
     assert common.git_commit(tmp_path)["dirty"] is True
+
+
+# Results known to predate the rule, each with why; strict, so the mark must go when the file is rerun.
+NOT_YET_RERUN = {
+    "large_batch.json": "the 8-epoch grid (21 runs, about 3.5 hours on this 2-core machine) is being rerun piece "
+                        "by piece with --workdir; the committed file predates issue 22's provenance fields",
+}
+
+
+def _committed_results() -> list[Any]:
+    return [pytest.param(path, marks=pytest.mark.xfail(reason=NOT_YET_RERUN[path.name], strict=True))
+            if path.name in NOT_YET_RERUN else path
+            for path in sorted((REPO / "benchmarks" / "results").glob("*.json"))]
+
+
+@pytest.mark.parametrize("path", _committed_results(), ids=lambda path: getattr(path, "name", str(path)))
+def test_every_committed_result_names_a_commit_of_this_history(path: Path) -> None:
+    """Issue 22: a figure is only worth citing with the code it measured, so every committed result names a commit
+    that is in this checkout's history and whether the tree was dirty; a headline with a spread carries the values
+    it spans (per round, or per seed for accuracy over seeds)."""
+    import subprocess
+
+    payload = json.loads(path.read_text())
+    commit = payload.get("commit")
+    assert isinstance(commit, str) and len(commit) == 40, f"{path.name} records no commit"
+    assert isinstance(payload.get("dirty"), bool), f"{path.name} does not say whether its tree was dirty"
+    shallow = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--is-shallow-repository"],
+                             capture_output=True, text=True)
+    if shallow.returncode != 0 or shallow.stdout.strip() != "false":
+        pytest.skip("not a git checkout with its whole history: the commit's ancestry cannot be checked")
+    ancestor = subprocess.run(["git", "-C", str(REPO), "merge-base", "--is-ancestor", commit, "HEAD"],
+                              capture_output=True)
+    assert ancestor.returncode == 0, f"{path.name} names {commit}, which is not an ancestor of HEAD"
+    headline = payload.get("headline", {})
+    for key in headline:
+        name = key[:-4]
+        if key.endswith("_min") and f"{name}_max" in headline and name in headline:
+            assert f"{name}_per_round" in headline or f"{name}_per_seed" in headline, \
+                f"{path.name}: {name} has a min and max but no {name}_per_round"
