@@ -132,7 +132,7 @@ def run_dtrain(epochs: int, target: float, workdir: Path, repeat: int, memory_fo
 
 def phase_medians(summary: dict[str, Any]) -> list[dict[str, float]]:
     """Each rank's median milliseconds per step of every phase that ran (the run's own phase timers; `optimizer`
-    holds the update guard's all-reduce), so that a gap can be traced to a phase."""
+    holds the update guard's exchange of per-rank flags), so that a gap can be traced to a phase."""
     return [{name: round(seconds * 1e3, 3) for name, seconds in rank.get("median_seconds", {}).items() if seconds > 0}
             for rank in summary.get("profile", {}).get("ranks", [])]
 

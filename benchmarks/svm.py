@@ -205,6 +205,7 @@ def timing(args: argparse.Namespace) -> None:
         "targets": {"elimination_time_saving": ">= 0.30", "speedup_2_ranks": ">= 1.6"},
         "samples": args.samples,
     }
+
     def med(label: str, key: str) -> str:
         return f"{median([r.get(key, 0.0) for r in rows if r['variant'] == label]):.2f}"
 

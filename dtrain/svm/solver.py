@@ -262,25 +262,18 @@ class DistributedSMO:
 
     def _eliminate(self) -> None:
         started = time.perf_counter()
-        try:
-            self._eliminate_now()
-        finally:
-            self.stats.check_seconds += time.perf_counter() - started
-
-    def _eliminate_now(self) -> None:
         streak = self.streak[self.pos]
         chosen = self.policy.select(self.fa, self.pen_up, self.pen_low, self.b_up, self.b_low, streak)
         self.streak[self.pos] = streak
-        if not chosen.any():
-            return
-        self._write_back()
-        gone = self.pos[chosen]
-        self.active[gone] = False
-        self.ledger.open_epoch(gone)
-        self.stats.eliminated += len(gone)
-        keep = np.flatnonzero(~chosen)
-        self.cache.compact(keep)
-        self._compact()
+        if chosen.any():
+            self._write_back()
+            gone = self.pos[chosen]
+            self.active[gone] = False
+            self.ledger.open_epoch(gone)
+            self.stats.eliminated += len(gone)
+            self.cache.compact(np.flatnonzero(~chosen))
+            self._compact()
+        self.stats.check_seconds += time.perf_counter() - started
 
     def refresh(self) -> None:
         """Bring the f of every eliminated sample up to date (no communication)."""

@@ -112,7 +112,7 @@ class UpdateGuard:
         self.rank = rank
         self.collective = collective  # False where ranks do not move in lockstep (asynchronous parameter servers)
         self.exchange = exchange if collective else None
-        self._table = np.zeros((exchange.layout.world, 2)) if exchange is not None else None
+        self._table = np.zeros((self.exchange.layout.world, 2)) if self.exchange is not None else None
         self.max_consecutive = max_consecutive
         self.stop = stop
         self.skipped = skipped  # updates skipped in the whole run (carried by checkpoints)
