@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from typing import Any
 
@@ -51,7 +52,7 @@ def list_experiments(args: argparse.Namespace) -> int:
                         "batches": summary.get("steps_completed"), "validation": summary.get("validation") or {},
                         "run_dir": trial.run_dir if trial else None})
     if args.json:
-        print(json.dumps(records, indent=2))
+        print(json.dumps(_strict_json(records), indent=2))
         return ExitCode.OK
     if not records:
         print("no experiments yet")
@@ -104,7 +105,8 @@ def show_experiment(args: argparse.Namespace) -> int:
     detail: list[dict[str, Any]] = []
     for trial in trials:
         validation = store.metric_series(trial.id, "validation")
-        values = [v for _, v in validation.get(metric, validation.get(metric.removeprefix("validation_"), []))]
+        values = [v for _, v in validation.get(metric, validation.get(metric.removeprefix("validation_"), []))
+                  if not math.isnan(v)]  # a diverged trial's NaN is no one's best
         best = (min(values) if smaller else max(values)) if values else None
         detail.append({"trial_id": trial.id, "status": _state(trial.status, trial.summary),
                        "run_dir": trial.run_dir, "hyperparameters": trial.hparams, "best_metric": best,
@@ -114,8 +116,8 @@ def show_experiment(args: argparse.Namespace) -> int:
                        "training": {k: v[-1] for k, v in store.metric_series(trial.id, "training").items()}})
     store.close()
     if args.json:
-        print(json.dumps({"id": experiment.id, "name": experiment.name, "config": experiment.config,
-                          "trials": detail}, indent=2))
+        print(json.dumps(_strict_json({"id": experiment.id, "name": experiment.name, "config": experiment.config,
+                                       "trials": detail}), indent=2))
         return ExitCode.OK
     print(f"experiment {experiment.id}: {experiment.name}"
           + (f" - {experiment.description}" if experiment.description else ""))
@@ -157,3 +159,15 @@ def show_experiment(args: argparse.Namespace) -> int:
     print("\nconfig:\n" + "\n".join("  " + line for line in experiment.config.splitlines()))
     return ExitCode.OK
 
+
+
+def _strict_json(value: Any) -> Any:
+    """`value` with its non-finite floats as the strings "NaN", "Infinity" and "-Infinity": json.dumps would write
+    the bare tokens, which are not JSON (jq and most parsers refuse them), and a diverged trial's loss is one."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {key: _strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(item) for item in value]
+    return value

@@ -105,7 +105,7 @@ class RunStore:
                                                                          Mapping[str, float]]]) -> None:
         """Insert (step, epoch, wall_seconds, {name: value}) rows of one kind ('training' or 'validation'), all or
         none of them, in one transaction."""
-        flat = [(trial_id, kind, step, epoch, wall, name, float(value))
+        flat = [(trial_id, kind, step, epoch, wall, name, _stored(float(value)))
                 for step, epoch, wall, values in rows for name, value in values.items()]
         if flat:
             with self._transaction():
@@ -154,5 +154,12 @@ class RunStore:
         rows = self._conn.execute("SELECT name, step, value FROM metrics WHERE trial_id=? AND kind=? "
                                   "ORDER BY rowid", (trial_id, kind))
         for name, step, value in rows:
-            latest.setdefault(name, {})[step] = value
+            latest.setdefault(name, {})[step] = float(value)  # the text 'NaN' of _stored back to a float
         return {name: sorted(by_step.items()) for name, by_step in sorted(latest.items())}
+
+
+def _stored(value: float) -> float | str:
+    """A metric value as SQLite can keep it: SQLite binds a NaN as NULL, which `value NOT NULL` refuses (a diverged
+    loss failed the whole report and with it the run), so a NaN is kept as the text 'NaN' (a REAL column keeps text
+    that is not a number as text; files written before keep their schema). Infinities are REAL values already."""
+    return "NaN" if value != value else value

@@ -87,3 +87,17 @@ def test_experiments_list_and_show(capsys: pytest.CaptureFixture[str], runs_root
     assert json.loads(out)["trials"][0]["validation"]["accuracy"] == [[10, 0.5], [20, 0.75]]
     code, _, err = run_cli(capsys, "experiments", "show", "99")
     assert code == 2 and "experiment 99 is not in the store" in err
+
+
+def test_a_diverged_trial_shows_in_strict_json(capsys: pytest.CaptureFixture[str], runs_root: Path) -> None:
+    """A NaN in the store (a diverged trial's metric) prints as the string "NaN" in --json (bare NaN is not JSON)
+    and is not taken for the best value."""
+    store = RunStore(runs_root / "metrics.db")
+    experiment = store.create_experiment("s", "", "name: s\nsearcher: {metric: accuracy, smaller_is_better: false}\n")
+    trial = store.create_trial(experiment, runs_root / "s" / "1", {}, 2)
+    store.add_metrics(trial, "validation", [(10, 1.0, 3.0, {"accuracy": float("nan")}),
+                                            (20, 2.0, 6.0, {"accuracy": 0.75}), (30, 3.0, 9.0, {"accuracy": 0.5})])
+    store.close()
+    code, out, _ = run_cli(capsys, "experiments", "show", str(experiment), "--json")
+    shown = json.loads(out, parse_constant=lambda token: pytest.fail(f"{token} is not JSON"))["trials"][0]
+    assert code == 0 and shown["validation"]["accuracy"][0] == [10, "NaN"] and shown["best_metric"] == 0.75

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sqlite3
 from pathlib import Path
 
@@ -35,16 +36,33 @@ def test_experiments_trials_and_metrics(tmp_path: Path) -> None:
 
 def test_a_batch_of_rows_is_one_transaction(tmp_path: Path) -> None:
     """add_metrics writes all of its rows or none (one transaction, so one fsync per report instead of one per
-    row): a row SQLite refuses (a NaN is stored as NULL, which `value NOT NULL` rejects) leaves none behind."""
+    row): a row SQLite refuses (a step of None, which `step NOT NULL` rejects) leaves none behind."""
     store = RunStore(tmp_path / "m.db")
     trial = store.create_trial(store.create_experiment("e", "", "name: e\n"), tmp_path, {}, 2)
     with pytest.raises(sqlite3.IntegrityError):
         store.add_metrics(trial, "training", [(1, 0.1, 1.0, {"loss": 2.0, "lr": 0.1}),
-                                              (2, 0.2, 2.0, {"loss": float("nan"), "lr": 0.1})])
+                                              (None, 0.2, 2.0, {"loss": 1.5, "lr": 0.1})])  # type: ignore[list-item]
     assert store.metric_series(trial, "training") == {}
     store.add_metrics(trial, "training", [(3, 0.3, 3.0, {"loss": 1.0})])
     assert store.metric_series(trial, "training") == {"loss": [(3, 1.0)]}
     store.close()
+
+
+def test_non_finite_values_are_stored(tmp_path: Path) -> None:
+    """A diverged loss (NaN, +-inf) is a metric like any other: stored, read back, and the rows beside it kept.
+    SQLite binds a NaN as NULL, which the schema refuses; before the fix this report failed and the run with it."""
+    store = RunStore(tmp_path / "m.db")
+    trial = store.create_trial(store.create_experiment("e", "", "name: e\n"), tmp_path, {}, 2)
+    store.add_metrics(trial, "training", [(1, 0.1, 1.0, {"loss": float("nan"), "lr": 0.1}),
+                                          (2, 0.2, 2.0, {"loss": float("inf"), "lr": 0.1}),
+                                          (3, 0.3, 3.0, {"loss": float("-inf"), "lr": 0.1})])
+    series = store.metric_series(trial, "training")
+    store.close()
+    [(_, nan), (_, inf), (_, minus_inf)] = series["loss"]
+    assert math.isnan(nan) and inf == math.inf and minus_inf == -math.inf
+    assert series["lr"] == [(1, 0.1), (2, 0.1), (3, 0.1)]
+    with sqlite3.connect(tmp_path / "m.db") as db:
+        assert db.execute("SELECT COUNT(*) FROM metrics WHERE value IS NULL").fetchone() == (0,)
 
 
 def test_new_run_dir_is_registered(runs_root: Path) -> None:
