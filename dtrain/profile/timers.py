@@ -17,6 +17,7 @@ wants a span per bucket, from dtrain's comm hook, which also tells when each buc
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -92,16 +93,20 @@ class BucketClock:
         return [(int(i), float(ready), done) for i, ready, done in spans]
 
 
+RECENT_STEPS = 20_000  # step records a StepTimer keeps (the most recent): a long run must not grow without bound
+
+
 class StepTimer:
-    """Times the phases of each step on this rank; keeps every step's record for summaries and diagnosis."""
+    """Times the phases of each step on this rank; keeps the most recent `max_records` steps' records (for tests
+    and benchmarks that read them back; the Profiler keeps its own for the summary)."""
 
     def __init__(self, *, enabled: bool = True, clock: Callable[[], float] = time.perf_counter,
                  on_span: Callable[[str, float, float, int], None] | None = None,
-                 synchronize: Callable[[], None] | None = None) -> None:
+                 synchronize: Callable[[], None] | None = None, max_records: int = RECENT_STEPS) -> None:
         self.enabled = enabled
         self.clock = clock
         self.buckets = BucketClock(clock)
-        self.records: list[StepRecord] = []
+        self.records: deque[StepRecord] = deque(maxlen=max_records)
         self.activity = Activity(step=0, phase="setup", since=time.time())
         self._on_span = on_span  # the timeline's recorder while profiling is on
         self._synchronize = synchronize

@@ -43,12 +43,21 @@ def timed_step(timer: StepTimer, clock: FakeClock, step: int, phases: list[tuple
 # ----------------------------------------------------------------------------------------- StepTimer
 
 
+def test_the_timer_keeps_only_the_most_recent_records() -> None:
+    """A long run's timer holds a bounded number of step records (the newest), not one per step forever."""
+    clock = FakeClock(0.0)
+    timer = StepTimer(clock=clock, max_records=3)
+    for step in range(7):
+        timed_step(timer, clock, step, [("forward", 0.5)])
+    assert [record.step for record in timer.records] == [4, 5, 6]
+
+
 def test_phases_and_the_untimed_gap_add_up_to_the_step() -> None:
     clock = FakeClock(10.0)
     timer = StepTimer(clock=clock)
     record = timed_step(timer, clock, 3, [("data", 0.25), ("forward", 0.5), ("backward", 1.0), ("optimizer", 0.125)],
                         gap=0.0625, records=48)
-    assert record is not None and timer.records == [record]
+    assert record is not None and list(timer.records) == [record]
     assert record.step == 3 and record.start == 10.0 and record.records == 48
     assert record.seconds == pytest.approx(1.9375, abs=TOL)
     assert record.phases == pytest.approx({"data": 0.25, "forward": 0.5, "backward": 1.0, "optimizer": 0.125},
@@ -226,7 +235,7 @@ def test_a_disabled_timer_records_nothing_but_still_tracks_the_activity() -> Non
         clock.advance(1.0)
     assert timer.split_backward() == [(0, 1.0, 1.0)]
     assert timer.end_step(16) is None
-    assert timer.records == [] and spans == []
+    assert not timer.records and spans == []
     assert timer.activity.phase == "between steps" and timer.activity.position == (5, len(PHASES))
 
 
