@@ -4,10 +4,13 @@ statistics path for ratio headlines (the median of ratios paired within a round,
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import platform
+import signal
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,6 +41,66 @@ def git_commit(repo: Path = REPO) -> dict[str, Any]:
 
 # Taken when the benchmark starts: the commit it measures is the one checked out then, not at the end.
 STARTED = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "load_average": load_average(), **git_commit()}
+
+
+def descendants(parents: dict[int, int], root: int) -> list[int]:
+    """Every process below `root` in a pid -> parent pid table, parents before their children."""
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    found, frontier = [], [root]
+    while frontier:
+        below = [child for pid in frontier for child in sorted(children.get(pid, []))]
+        found += below
+        frontier = below
+    return found
+
+
+def process_parents() -> dict[int, int]:
+    """pid -> parent pid of every live process this user can see (Linux /proc; empty elsewhere). Zombies are left
+    out: they have ended, only their parent has not collected them yet."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        state, parent = stat[stat.rindex(")") + 2:].split()[:2]  # after the name, which may hold spaces
+        if state != "Z":
+            parents[int(entry.name)] = int(parent)
+    return parents
+
+
+def terminate_descendants(grace_seconds: float = 10.0) -> None:
+    """SIGTERM to every process below this one (a `dtrain run` child and its workers, torchrun's workers, spawned
+    ranks), SIGKILL to those still there after `grace_seconds`."""
+    pids = descendants(process_parents(), os.getpid())
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_seconds
+        while sig == signal.SIGTERM and time.monotonic() < deadline:
+            alive = set(descendants(process_parents(), os.getpid())) & set(pids)
+            if not alive:
+                return
+            time.sleep(0.2)
+
+
+def _end_with_children(signum: int, _frame: Any) -> None:
+    signal.signal(signum, signal.SIG_DFL)
+    terminate_descendants()
+    sys.exit(128 + signum)
+
+
+# A benchmark stopped with SIGTERM or SIGHUP (a kill, a closed session) takes its processes with it: by default its
+# `dtrain run` children and their workers outlived it, kept loading the shared machine and spoiled the next
+# benchmark's timing. Only in the benchmark's own process (imported as `common`), not in ranks it spawns.
+if __name__ == "common" and multiprocessing.parent_process() is None:
+    for _signal in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(_signal, _end_with_children)
 
 
 def paired_ratio(numerators: Sequence[float], denominators: Sequence[float]) -> dict[str, Any]:

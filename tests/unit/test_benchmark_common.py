@@ -122,3 +122,17 @@ def test_every_committed_result_names_a_commit_of_this_history(path: Path) -> No
         if key.endswith("_min") and f"{name}_max" in headline and name in headline:
             assert f"{name}_per_round" in headline or f"{name}_per_seed" in headline, \
                 f"{path.name}: {name} has a min and max but no {name}_per_round"
+
+
+def test_descendants_walk_the_whole_tree_below_a_process() -> None:
+    """What a benchmark stopped by SIGTERM takes with it: its children, theirs, and nothing above or beside."""
+    parents = {1: 0, 10: 1, 20: 10, 21: 10, 30: 20, 31: 21, 40: 1, 41: 40}
+    assert _common().descendants(parents, 10) == [20, 21, 30, 31]
+    assert _common().descendants(parents, 30) == []
+
+
+def test_process_parents_sees_this_process() -> None:
+    import os
+
+    parents = _common().process_parents()
+    assert parents[os.getpid()] == os.getppid()
