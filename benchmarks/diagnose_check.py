@@ -30,7 +30,7 @@ worker.
      noise on a shared 2-core machine is several percent, so it confirms, it cannot resolve 2%).
    Plus the timers' own bookkeeping per step, timed in-process, as a share of the step.
 
-    flock /tmp/dtrain-bench.lock python benchmarks/diagnose_check.py   # 16 min at 6a0d367; part 1 now twice as long
+    flock /tmp/dtrain-bench.lock python benchmarks/diagnose_check.py   # 18 minutes at 759df6b on 2 idle cores
     flock /tmp/dtrain-bench.lock python benchmarks/diagnose_check.py --quick    # 1 round, short trials
 
 Writes benchmarks/results/diagnose_check.{json,md} and copies the 1 Gbit/s diagnosis chart to
