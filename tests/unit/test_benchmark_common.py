@@ -86,10 +86,7 @@ def test_a_tree_is_dirty_for_changed_code_but_not_for_changed_result_files(tmp_p
 
 
 # Results known to predate the rule, each with why; strict, so the mark must go when the file is rerun.
-NOT_YET_RERUN = {
-    "large_batch.json": "the 8-epoch grid (23 distinct runs, 18 done at the last stop) is being rerun piece "
-                        "by piece with --workdir; the committed file predates issue 22's provenance fields",
-}
+NOT_YET_RERUN: dict[str, str] = {}  # result file -> why it has no provenance yet (a strict xfail until it is rerun)
 
 
 def _committed_results() -> list[Any]:
