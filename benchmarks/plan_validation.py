@@ -28,7 +28,7 @@ workers at 1 Gbit/s, in PyTorch's default contiguous layout (the calibration tim
 it does not model `memory_format`). Its errors are reported apart (`unseen_*`, target: each within 25 %) and left
 out of the three aggregate figures, which stay comparable with the earlier runs.
 
-    python benchmarks/plan_validation.py            # 3 rounds, about 15 minutes
+    python benchmarks/plan_validation.py            # 3 rounds, about 40 minutes (13 per round at 759df6b)
     python benchmarks/plan_validation.py --quick    # 1 round, shorter runs
 """
 
