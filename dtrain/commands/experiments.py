@@ -160,7 +160,6 @@ def show_experiment(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-
 def _strict_json(value: Any) -> Any:
     """`value` with its non-finite floats as the strings "NaN", "Infinity" and "-Infinity": json.dumps would write
     the bare tokens, which are not JSON (jq and most parsers refuse them), and a diverged trial's loss is one."""

@@ -6,6 +6,7 @@ Rank 0 of each run writes; `dtrain experiments` reads. WAL mode lets several run
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -162,4 +163,4 @@ def _stored(value: float) -> float | str:
     """A metric value as SQLite can keep it: SQLite binds a NaN as NULL, which `value NOT NULL` refuses (a diverged
     loss failed the whole report and with it the run), so a NaN is kept as the text 'NaN' (a REAL column keeps text
     that is not a number as text; files written before keep their schema). Infinities are REAL values already."""
-    return "NaN" if value != value else value
+    return "NaN" if math.isnan(value) else value
