@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import alternate, machine_info, markdown_table, write_results  # noqa: E402
+from common import alternate, descendants, machine_info, markdown_table, process_parents, write_results  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "synthetic_mlp" / "mlp.yaml"
@@ -74,26 +74,15 @@ def run(run_dir: Path, overrides: list[str], timeout: float) -> tuple[int, float
 
 def worker_pids(root: int) -> list[int]:
     """The live `dtrain.worker` processes under process `root` (the `dtrain run` it started)."""
-    parents: dict[int, int] = {}
-    commands: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    pids = []
+    for pid in descendants(process_parents(), root):
         try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            parents[int(entry.name)] = int(fields[1])
-            commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, IndexError, ValueError):
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # ended meanwhile
             continue
-
-    def descends(pid: int) -> bool:
-        while pid > 1:
-            if pid == root:
-                return True
-            pid = parents.get(pid, 0)
-        return False
-
-    return [pid for pid, command in commands.items() if "dtrain.worker" in command and descends(pid)]
+        if "dtrain.worker" in command:
+            pids.append(pid)
+    return pids
 
 
 def run_killing_from_outside(run_dir: Path, overrides: list[str], timeout: float, kills: int, spread: float,

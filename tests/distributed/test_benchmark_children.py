@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from dtrain.runs.processes import process_alive
+
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARK = """
 import subprocess, sys, time
@@ -24,17 +26,11 @@ time.sleep(300)
 
 
 def _gone(pid: int, within: float = 60.0) -> bool:
-    """The process has ended (or is a zombie waiting for its parent), polled for up to `within` seconds."""
+    """The process has ended (a zombie waiting for its parent has), polled for up to `within` seconds."""
     deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return True
-        if state == "Z":
-            return True
+    while process_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return False
+    return not process_alive(pid)
 
 
 def test_a_terminated_benchmark_takes_its_children_and_grandchildren_with_it() -> None:
