@@ -153,21 +153,70 @@ def write_results(name: str, headline: dict[str, Any], rows: list[dict[str, Any]
 
 
 def alternate(variants: Sequence[tuple[str, Callable[[int], dict[str, Any]]]], repeats: int,
-              log: Callable[[str], None] = print, first: int = 0) -> list[dict[str, Any]]:
+              log: Callable[[str], None] = print, first: int = 0,
+              on_round: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """Run A, B, (C...), C, B, A, ... `repeats` times, so that drift in machine load hits every variant alike
-    (rounds numbered from `first`: a benchmark run in pieces continues the order)."""
+    (rounds numbered from `first`: a benchmark run in pieces continues the order). `on_round` gets each finished
+    round's rows, for example to keep them (`KeptRounds.add`)."""
     rows = []
     for repeat in range(first, first + repeats):
         order = variants if repeat % 2 == 0 else list(reversed(variants))
+        round_rows = []
         for label, run in order:
             log(f"[{repeat + 1}/{first + repeats}] {label} ...")
             row = run(repeat)
             row.update(variant=label, repeat=repeat)
-            rows.append(row)
+            round_rows.append(row)
             log(f"[{repeat + 1}/{first + repeats}] {label}: " + ", ".join(
                 f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
                 if k not in ("variant", "repeat", "history")))
+        rows.extend(round_rows)
+        if on_round is not None:
+            on_round(round_rows)
     return rows
+
+
+class KeptRounds:
+    """The rows of a benchmark's finished rounds, kept in `workdir/rows.json` after every round, so that a run
+    that stops part-way (a crash, a kill, a machine needed for something else) continues with its next round
+    instead of starting again. Rows are only continued by the same commit with the same settings; without a
+    workdir nothing is kept. Every row says when, and under what load, its piece of the run started."""
+
+    def __init__(self, workdir: Path | None, settings: dict[str, Any], round_key: str = "repeat") -> None:
+        self.path = Path(workdir) / "rows.json" if workdir is not None else None
+        self.identity = {"commit": STARTED["commit"], "dirty": STARTED["dirty"], **settings}
+        self.round_key = round_key
+        self.rows: list[dict[str, Any]] = []
+        self.extra: dict[str, Any] = {}
+        if self.path is not None and self.path.is_file():
+            try:
+                earlier = json.loads(self.path.read_text())
+                kept_identity, rows, extra = earlier["identity"], earlier["rows"], earlier.get("extra", {})
+            except (ValueError, KeyError, TypeError) as error:
+                raise SystemExit(f"{self.path} is not a file of kept rounds ({error}): remove it or use another "
+                                 "--workdir") from None
+            if kept_identity != self.identity:
+                raise SystemExit(f"{self.path} holds rounds of {kept_identity}; this run is {self.identity}: "
+                                 "use another --workdir (rounds of different code or settings do not pair)")
+            self.rows, self.extra = rows, extra
+
+    @property
+    def rounds(self) -> int:
+        """How many rounds are finished (kept or added)."""
+        return len({row[self.round_key] for row in self.rows})
+
+    def add(self, round_rows: Sequence[dict[str, Any]], **extra: Any) -> None:
+        """Add a finished round's rows (and any facts to keep beside them) and write the file at once."""
+        for row in round_rows:
+            row.setdefault("piece_started", STARTED["date"])
+            row.setdefault("piece_load_average", STARTED["load_average"])
+        self.rows.extend(round_rows)
+        self.extra.update(extra)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = self.path.with_suffix(".tmp")
+            temporary.write_text(json.dumps({"identity": self.identity, "rows": self.rows, "extra": self.extra}))
+            temporary.replace(self.path)
 
 
 def save_figure(figure: Any, path: Path) -> None:

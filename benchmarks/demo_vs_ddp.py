@@ -25,7 +25,8 @@ torch.save of model and optimizer on rank 0.
 
 On a shared machine the rounds can be run in pieces, each under its own benchmark lock, so that others can
 benchmark in between: `--workdir DIR --rounds-now 1` runs one more round and keeps its rows in DIR; the call that
-completes `--repeats` rounds writes the results. Every piece must measure the same commit.
+completes `--repeats` rounds writes the results. Every piece must measure the same commit. With --workdir each round's
+rows are kept as soon as it ends, so a run that stops part-way continues from its next round.
 """
 
 from __future__ import annotations
@@ -184,12 +185,14 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--channels-last", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rounds_now is not None and args.workdir is None:
+        parser.error("--rounds-now keeps the finished rounds for a later call: give --workdir DIR as well")
     epochs = args.epochs or (3 if args.quick else 8)
     if args.worker:
         hand_written_worker(epochs, args.out, args.checkpoint_dir, args.channels_last)
         return
     from common import (
-        STARTED,
+        KeptRounds,
         alternate,
         machine_info,
         markdown_table,
@@ -202,16 +205,8 @@ def main() -> None:
     target = args.target or (0.88 if args.quick else 0.91)
     repeats = 1 if args.quick else args.repeats
     labels = ("dtrain", "hand-written DDP, channels_last, dtrain's malloc", "hand-written DDP, contiguous")
-    kept = Path(args.workdir) / "rows.json" if args.workdir else None
-    done: list[dict[str, Any]] = []
-    if kept is not None and kept.is_file():
-        earlier = json.loads(kept.read_text())
-        if (earlier["commit"], earlier["dirty"], earlier["epochs"]) != (STARTED["commit"], STARTED["dirty"], epochs):
-            raise SystemExit(f"{kept} holds rounds of commit {earlier['commit']} (dirty {earlier['dirty']}, "
-                             f"{earlier['epochs']} epochs); this is {STARTED['commit']} (dirty {STARTED['dirty']}, "
-                             f"{epochs} epochs): use another --workdir")
-        done = earlier["rows"]
-    first = len({r["repeat"] for r in done})
+    kept = KeptRounds(args.workdir, {"epochs": epochs, "target": target})
+    first = kept.rounds
     now = min(repeats - first, args.rounds_now if args.rounds_now is not None else repeats)
     with tempfile.TemporaryDirectory(prefix="demo_vs_ddp-") as tmp:
         workdir = Path(tmp)
@@ -222,16 +217,10 @@ def main() -> None:
             print("warm-up (untimed): one epoch of each")
             run_dtrain(1, 0.0, workdir, -1)
             run_hand_written(1, 0.0, workdir, -1, channels_last=True)
-        fresh = alternate(variants, now, first=first)
-        for row in fresh:  # a benchmark run in pieces: when and under what load each round ran
-            row.update(piece_started=STARTED["date"], piece_load_average=STARTED["load_average"])
-        rows = done + fresh
-    if kept is not None:
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        kept.write_text(json.dumps({"commit": STARTED["commit"], "dirty": STARTED["dirty"], "epochs": epochs,
-                                    "rows": rows}))
-    if len({r["repeat"] for r in rows}) < repeats:
-        print(f"{len({r['repeat'] for r in rows})} of {repeats} rounds done; run again with --workdir {args.workdir}")
+        alternate(variants, now, first=first, on_round=kept.add)
+    rows = kept.rows
+    if kept.rounds < repeats:
+        print(f"{kept.rounds} of {repeats} rounds done; run again with --workdir {args.workdir}")
         return
     reached = all(r["time_to_target_s"] is not None for r in rows)
     pct = f"{target:.0%}"

@@ -30,6 +30,8 @@ out of the three aggregate figures, which stay comparable with the earlier runs.
 
     python benchmarks/plan_validation.py            # 3 rounds, about 40 minutes (13 per round at 759df6b)
     python benchmarks/plan_validation.py --quick    # 1 round, shorter runs
+    python benchmarks/plan_validation.py --workdir DIR  # keep every round: after a crash or a kill, the same
+                                                        # call continues with the next round
 """
 
 from __future__ import annotations
@@ -358,33 +360,41 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one round of shorter runs")
     parser.add_argument("--repeats", type=int, default=3, help="rounds (default 3; 1 with --quick)")
     parser.add_argument("--seconds", type=float, help="training seconds per run (default 12; 5 with --quick)")
+    parser.add_argument("--workdir", type=Path,
+                        help="keep each finished round's rows here; a later call with the same --workdir (same "
+                             "commit and settings) continues with the next round")
+    parser.add_argument("--rounds-now", type=int,
+                        help="with --workdir: run at most this many more rounds now (default: all that remain)")
     parser.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("--rank", "--world", "--port", "--steps", "--aggregation"):
         parser.add_argument(name, type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--fp16", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rounds_now is not None and args.workdir is None:
+        parser.error("--rounds-now keeps the finished rounds for a later call: give --workdir DIR as well")
     if args.ddp_worker:
         ddp_worker(args)
         return
-    from common import RESULTS, machine_info, markdown_table, median, write_results
+    from common import RESULTS, KeptRounds, machine_info, markdown_table, median, write_results
 
     from dtrain.plan.published import published_cases, published_errors
 
     repeats = 1 if args.quick else args.repeats
     seconds = args.seconds or (5.0 if args.quick else 12.0)
-    rows: list[dict[str, Any]] = []
     with namespaces({c.network for c in CONFIGS}) as (prefixes, described, skipped), \
             tempfile.TemporaryDirectory(prefix="plan_validation-") as tmp:
         configs = [c for c in CONFIGS if c.network in prefixes]
         if skipped:
             print(f"shaped networks skipped: {skipped}")
-        checks: list[dict[str, Any]] = []
+        kept = KeptRounds(args.workdir, {"seconds": seconds, "networks": sorted(prefixes)})
+        checks: list[dict[str, Any]] = kept.extra.get("link_checks", [])
         models = {name: workload_model(name) for name in sorted({c.workload for c in configs})}
-        for repeat in range(repeats):
+        now = min(repeats - kept.rounds, args.rounds_now if args.rounds_now is not None else repeats)
+        for repeat in range(kept.rounds, kept.rounds + now):
             print(f"[{repeat + 1}/{repeats}] calibrating communication ...", flush=True)
             calibration = calibrate_communication()
-            if repeat == 0:
+            if not checks:
                 checks = link_checks(prefixes, calibration)
                 for check in checks:
                     print(f"  link check {check}", flush=True)
@@ -400,6 +410,7 @@ def main() -> None:
                 measured_round.append((config, compute, measured, steps, load_before))
             # each run's compute is a one-second snapshot of a shared machine: predict every run of the round from
             # the median of the round's snapshots with the same number of workers
+            round_rows = []
             for config, compute, measured, steps, load_before in measured_round:
                 same = [c for cfg, c, *_ in measured_round
                         if (cfg.workers, cfg.workload) == (config.workers, config.workload)]
@@ -418,9 +429,14 @@ def main() -> None:
                        "calibrated_optimizer_s": typical.optimizer_s,
                        "calibrated_alpha_s": calibration.allreduce["float32"].alpha_s,
                        "calibrated_beta_s_per_byte": calibration.allreduce["float32"].beta_s_per_byte}
-                rows.append(row)
+                round_rows.append(row)
                 print(f"[{repeat + 1}/{repeats}] {config.label}: measured {measured * 1e3:.1f} ms, predicted "
                       f"{prediction.step_s * 1e3:.1f} ms ({row['error']:+.1%}), load {load_before:.1f}", flush=True)
+            kept.add(round_rows, link_checks=checks)
+    rows = kept.rows
+    if kept.rounds < repeats:
+        print(f"{kept.rounds} of {repeats} rounds done; run again with --workdir {args.workdir}")
+        return
     summary = []
     for config in configs:
         mine = [r for r in rows if r["config"] == config.label]

@@ -133,3 +133,41 @@ def test_process_parents_sees_this_process() -> None:
 
     parents = _common().process_parents()
     assert parents[os.getpid()] == os.getppid()
+
+
+def test_kept_rounds_survive_a_run_that_stops_part_way(tmp_path: Path) -> None:
+    common = _common()
+    kept = common.KeptRounds(tmp_path, {"epochs": 8})
+
+    def run(repeat: int) -> dict[str, Any]:
+        if repeat == 1:
+            raise RuntimeError("the machine went away")
+        return {"seconds": 1.0 + repeat}
+
+    with pytest.raises(RuntimeError):
+        common.alternate([("a", run), ("b", run)], 3, log=lambda _: None, on_round=kept.add)
+    again = common.KeptRounds(tmp_path, {"epochs": 8})
+    assert again.rounds == 1
+    assert sorted(r["variant"] for r in again.rows) == ["a", "b"]
+    assert all(r["piece_started"] == common.STARTED["date"] for r in again.rows)
+    rows = common.alternate([("a", lambda r: {"seconds": 2.0}), ("b", lambda r: {"seconds": 2.0})], 2,
+                            log=lambda _: None, first=again.rounds, on_round=again.add)
+    assert [r["repeat"] for r in rows] == [1, 1, 2, 2]
+    assert common.KeptRounds(tmp_path, {"epochs": 8}).rounds == 3
+
+
+def test_kept_rounds_of_other_settings_are_refused(tmp_path: Path) -> None:
+    common = _common()
+    common.KeptRounds(tmp_path, {"epochs": 8}).add([{"repeat": 0, "variant": "a"}], link_checks=[1])
+    assert common.KeptRounds(tmp_path, {"epochs": 8}).extra == {"link_checks": [1]}
+    with pytest.raises(SystemExit, match="use another --workdir"):
+        common.KeptRounds(tmp_path, {"epochs": 3})
+    (tmp_path / "rows.json").write_text("{not json")
+    with pytest.raises(SystemExit, match="not a file of kept rounds"):
+        common.KeptRounds(tmp_path, {"epochs": 8})
+
+
+def test_without_a_workdir_nothing_is_written(tmp_path: Path) -> None:
+    kept = _common().KeptRounds(None, {})
+    kept.add([{"repeat": 0}, {"repeat": 0}])
+    assert kept.rounds == 1 and kept.path is None
