@@ -29,6 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dtrain.runs.processes import process_alive
+
 
 class ClusterUnavailable(RuntimeError):
     """The emulated cluster cannot be built here (not root, no iproute2, or namespaces are forbidden)."""
@@ -167,16 +169,8 @@ def _kill_everything_in(namespace: str) -> None:
             os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while pids and time.monotonic() < deadline:
-        pids = [pid for pid in pids if _alive(pid)]
+        pids = [pid for pid in pids if process_alive(pid)]
         time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    """Whether `pid` is still running (a zombie waiting for its parent to reap it is not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def measure_link_mbit_per_s(cluster: Cluster, megabytes: int = 8) -> float:
