@@ -14,6 +14,7 @@ from dtrain.sync.base import (
     CollectiveForward,
     ComputePhases,
     Consolidating,
+    EvaluatesInStages,
     OptimizerWrapping,
     OwnsCheckpointState,
     ReportingMetrics,
@@ -56,7 +57,8 @@ def build_strategy(config: ExperimentConfig, topology: Topology) -> SyncStrategy
 
 
 __all__ = ["REGISTRY", "AllReduceStrategy", "AsynchronousPacing", "BucketObserving", "CollectiveForward",
-           "ComputePhases", "Consolidating", "FsdpStrategy", "HierarchicalStrategy", "LocalSGDStrategy",
+           "ComputePhases", "Consolidating", "EvaluatesInStages", "FsdpStrategy", "HierarchicalStrategy",
+           "LocalSGDStrategy",
            "OptimizerWrapping", "OwnsCheckpointState", "ParameterServerStrategy", "PipelineStrategy",
            "ReportingMetrics", "RunsForwardBackward", "ShardedConstruction", "StrategyBuilder", "SyncStrategy",
            "TimesWaits", "TrainBatch", "WireMetering", "WritesShardedCheckpoint", "Zero1Strategy", "build_strategy"]

@@ -212,6 +212,22 @@ class CollectiveForward(Protocol):
 
 
 @runtime_checkable
+class EvaluatesInStages(Protocol):
+    """Validation without the whole model on any rank: the strategy runs each validation batch's forward pass
+    through the ranks that hold the model's parts, and the outputs exist only on the ranks of the last part. Used
+    when the Trial defines `pipeline_metrics(outputs, targets)`; otherwise the Trainer consolidates the model and
+    every rank evaluates its share with `evaluate_batch`."""
+
+    evaluation_replica: int  # which copy of the model this rank belongs to: validation data is shared out by copy
+    evaluation_replicas: int
+
+    def forward_in_stages(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The model's outputs for `inputs` on the ranks that hold its last part, None on the others (a
+        collective of the ranks of one replica: each gives the same inputs)."""
+        ...
+
+
+@runtime_checkable
 class TimesWaits(Protocol):
     """Measures its own communication waits inside forward and backward (FSDP's all-gathers and reduce-scatters,
     a pipeline stage's bubble), so the phase timers show them as phases `all_gather`, `reduce_scatter`, `bubble`.

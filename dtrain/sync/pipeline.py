@@ -11,10 +11,12 @@ comes from the Trial's `pipeline_loss(outputs, targets)`, and batches are `(inpu
 
 Each rank keeps only its own stage's parameters while it trains: the other stages' parameters and buffers keep
 their shapes (and the optimizer its references to them) but their storage is freed (resized to 0 bytes); they get
-no gradient, so the optimizer keeps no state for them. Before validation, a checkpoint and the replica check the
-other stages are allocated again and broadcast from their owners (`unwrap_model`), so those see one whole model;
-the next training step frees them again. The model is built whole on every rank first (the Trial's
-`build_model()`), so construction, validation and checkpoints still hold the whole parameters for a moment.
+no gradient, so the optimizer keeps no state for them. Validation runs through the stages when the Trial defines
+`pipeline_metrics(outputs, targets)` (`forward_in_stages`: each stage its own part, the metrics on the last); else,
+and before a checkpoint and the replica check, the other stages are allocated again and broadcast from their owners
+(`unwrap_model`), so those see one whole model; the next training step frees them again. The model is built whole
+on every rank first (the Trial's `build_model()`), so construction and checkpoints still hold the whole parameters
+for a moment.
 The stage shapes the schedule needs are found by the stages in turn (each runs its own part on a microbatch of
 the shape the previous stage announced), since no rank holds the other stages' weights.
 """
@@ -71,7 +73,8 @@ def cut_model(model: nn.Module, stages: int, split_points: Sequence[str]) -> lis
 
 class PipelineStrategy:
     """Stages over the mesh's "pipeline" dimension, replicas over its "data" dimension. Core protocol plus
-    RunsForwardBackward (the schedule), Consolidating and OwnsCheckpointState (stages gathered from their owners)."""
+    RunsForwardBackward (the schedule), Consolidating and OwnsCheckpointState (stages gathered from their owners),
+    EvaluatesInStages (validation through the stages) and TimesWaits (the bubble)."""
 
     name = "pipeline"
 
@@ -85,6 +88,8 @@ class PipelineStrategy:
         self.replicas = topology.world_size // stages
         self.mesh = device_mesh(topology, (self.replicas, stages), ("data", "pipeline"))
         self.stage_index = self.mesh.get_local_rank("pipeline")
+        self.evaluation_replica = self.mesh.get_local_rank("data")
+        self.evaluation_replicas = self.replicas
         self.pipeline_group = self.mesh.get_group("pipeline")
         self.data_group = self.mesh.get_group("data")
         self._model: nn.Module | None = None
@@ -200,6 +205,35 @@ class PipelineStrategy:
 
     def consolidate(self, *, snapshot: bool = False) -> None:
         self.unwrap_model()
+
+    def forward_in_stages(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """EvaluatesInStages: validation's forward pass with only this stage's parameters. The replica's batch is
+        cut into up to m microbatches; stage 0 runs its part on each and hands the activations on (shape and dtype
+        first) without waiting, so the stages overlap as in training; the last stage returns the outputs joined,
+        the others None."""
+        assert self._model is not None, "wrap_model() first"
+        self._release_other_stages()
+        part = self._parts[self.stage_index]
+        previous = dist.get_global_rank(self.pipeline_group, self.stage_index - 1) if self.stage_index > 0 else None
+        following = (dist.get_global_rank(self.pipeline_group, self.stage_index + 1)
+                     if self.stage_index < self.stages - 1 else None)
+        outputs: list[torch.Tensor] = []
+        sending: list[tuple[Any, torch.Tensor]] = []  # the sends in flight, with the tensors they read
+        for piece in inputs.tensor_split(max(min(self.microbatches, inputs.shape[0]), 1)):
+            if previous is not None:
+                piece = _receive_activation(previous, self.topology.device)
+            with torch.no_grad():
+                output = part(piece)
+            if not isinstance(output, torch.Tensor):
+                raise TrialError(f"pipeline stage {self.stage_index} returned {type(output).__name__}; each stage "
+                                 "must return one tensor")
+            if following is None:
+                outputs.append(output)
+            else:
+                sending.extend(_send_activation(output, following))
+        for work, _ in sending:
+            work.wait()
+        return torch.cat(outputs) if following is None else None
 
     def model_state_dict(self) -> dict[str, Any]:
         return self.unwrap_model().state_dict()
@@ -321,6 +355,36 @@ class PipelineStrategy:
         stage_of = {id(p): s for s, part in enumerate(self._parts) for p in part.parameters()}
         ordered = [p for group in optimizer.param_groups for p in group["params"]]
         return {index: stage_of[id(p)] for index, p in enumerate(ordered) if id(p) in stage_of}
+
+
+_ACTIVATION_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                      torch.int16, torch.int8, torch.uint8, torch.bool)
+_MAX_DIMS = 8
+
+
+def _send_activation(tensor: torch.Tensor, destination: int) -> list[tuple[Any, torch.Tensor]]:
+    """Send a header (number of dimensions, shape, dtype) and then the tensor, both without waiting."""
+    if tensor.dim() > _MAX_DIMS or tensor.dtype not in _ACTIVATION_DTYPES:
+        raise TrialError(f"a pipeline stage's output of shape {tuple(tensor.shape)} and dtype {tensor.dtype} cannot be "
+                         f"handed on in validation: at most {_MAX_DIMS} dimensions, dtypes "
+                         f"{', '.join(str(d) for d in _ACTIVATION_DTYPES)}")
+    header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64, device=tensor.device)
+    header[0] = tensor.dim()
+    header[1:1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    header[-1] = _ACTIVATION_DTYPES.index(tensor.dtype)
+    payload = tensor.contiguous()
+    return [(dist.isend(header, destination), header), (dist.isend(payload, destination), payload)]
+
+
+def _receive_activation(source: int, device: torch.device) -> torch.Tensor:
+    """The tensor `_send_activation` sent from `source`."""
+    header = torch.empty(_MAX_DIMS + 2, dtype=torch.int64, device=device)
+    dist.recv(header, source)
+    dims = int(header[0])
+    shape = [int(n) for n in header[1:1 + dims]]
+    tensor = torch.empty(shape, dtype=_ACTIVATION_DTYPES[int(header[-1])], device=device)
+    dist.recv(tensor, source)
+    return tensor
 
 
 class _TimedStage(PipelineStage):

@@ -31,6 +31,7 @@ from dtrain.sync import (
     BucketObserving,
     CollectiveForward,
     Consolidating,
+    EvaluatesInStages,
     RunsForwardBackward,
     ShardedConstruction,
     SyncStrategy,
@@ -194,7 +195,8 @@ class Trainer:
                                  split.global_batch_size, enabled=chief, report_every=config.scheduling_unit)
         self.searcher = SearcherMetric(config.searcher.metric, smaller_is_better=config.searcher.smaller_is_better)
         self.evaluator = Evaluator(self.val_data, self.trial, topology, channels_last=self.channels_last,
-                                   lockstep=isinstance(self.strategy, CollectiveForward))
+                                   lockstep=isinstance(self.strategy, CollectiveForward),
+                                   stages=self.strategy if isinstance(self.strategy, EvaluatesInStages) else None)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", topology, self.checkpoint_state,
                                          CheckpointPolicy(config, self.schedule, self.searcher), self.callbacks)
         self.stalls = StallWatch(topology, config.distributed, self.profiler.timer)
@@ -407,7 +409,8 @@ class Trainer:
         validated, metric = self.schedule.validation_due(step), None
         if validated:
             with self.profiler.phase("validation"):
-                self.consolidate()
+                if not self.evaluator.staged:  # evaluated in stages, no rank needs the whole model
+                    self.consolidate()
                 metric = self._validate(step)
         stop = self._stop_reason(step, update)
         if validated and self.stop_advisor is not None:
@@ -445,7 +448,8 @@ class Trainer:
         """Evaluate the model on all ranks, record the metrics; return the searcher metric."""
         started = time.perf_counter()
         batch_size = self.config.data_loader.validation_batch_size or max(self.sizes.records, 1)
-        metrics = self.evaluator.evaluate(self.strategy.unwrap_model(), batch_size)
+        model = self.wrapped if self.evaluator.staged else self.strategy.unwrap_model()
+        metrics = self.evaluator.evaluate(model, batch_size)
         wall, epoch = self.clock.wall(), self.schedule.epoch_of(step)
         self.state.validation_history.append({"step": step, "epoch": epoch, "wall_seconds": wall, "metrics": metrics})
         if self.topology.is_chief:

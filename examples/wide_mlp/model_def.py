@@ -58,5 +58,9 @@ class WideMLPTrial(dtrain.Trial):
 
     def evaluate_batch(self, batch: tuple[torch.Tensor, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
         inputs, labels = batch
-        logits = model(inputs)
-        return {"loss": F.cross_entropy(logits, labels), "accuracy": (logits.argmax(1) == labels).float().mean()}
+        return self.pipeline_metrics(model(inputs), labels)
+
+    def pipeline_metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The metrics from the model's outputs: with strategy pipeline, validation runs through the stages and
+        calls this on the last one, so no rank gathers the whole model to validate."""
+        return {"loss": F.cross_entropy(outputs, targets), "accuracy": (outputs.argmax(1) == targets).float().mean()}

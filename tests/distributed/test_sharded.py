@@ -57,6 +57,11 @@ CASES: dict[str, dict[str, Any]] = {
     "pipeline_gpipe": case("pipeline", pipeline={"stages": 2, "microbatches": 4, "schedule": "gpipe",
                                                  "split_points": ["2"]}),
     "pipeline_1f1b": case("pipeline", pipeline={"stages": 2, "microbatches": 4, "schedule": "1f1b"}),
+    # validation through the stages (the Trial defines pipeline_metrics): batches of 179, 179 and 1 records, cut
+    # into microbatches of 45, 45, 45, 44 and one of 1
+    "pipeline_1f1b_staged": {**case("pipeline", pipeline={"stages": 2, "microbatches": 4, "schedule": "1f1b"}),
+                             "hyperparameters": {**UNEVEN_VALIDATION["hyperparameters"], "staged_validation": True},
+                             "data_loader": UNEVEN_VALIDATION["data_loader"]},
 }
 # mixed precision runs (float32 model): they must keep every rank's scaler and parameters identical
 PRECISION_CASES: dict[str, dict[str, Any]] = {
@@ -150,13 +155,19 @@ def _local_bytes(tensors: Any) -> int:
     return total
 
 
-def _recording(trial_class: type) -> type:
+def _held_bytes(model: torch.nn.Module) -> int:
+    """Parameter bytes this rank has allocated (storage actually held: a pipeline frees the other stages')."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).untyped_storage().nbytes() for p in model.parameters())
+
+
+def _recording(trial_class: type, staged: bool = False) -> type:
     class Recording(trial_class):  # type: ignore[misc, valid-type]
         """Records the bytes the model held as build_model() returned it on this rank."""
 
         def build_model(self) -> torch.nn.Module:
             model = super().build_model()
             self.built_bytes = _local_bytes(model.parameters())
+            self.model = model
             return model
 
         def build_validation_data(self) -> torch.utils.data.Dataset:
@@ -167,7 +178,22 @@ def _recording(trial_class: type) -> type:
             keep = self.context.hparams.get("validation_records")
             return data if keep is None else torch.utils.data.TensorDataset(*(t[:keep] for t in data.tensors))
 
-    return Recording
+    class StagedRecording(Recording):
+        """Evaluates in pipeline stages (it has pipeline_metrics) and records the parameter bytes this rank held
+        when each validation started and whenever it computed metrics."""
+
+        validation_bytes: list[int]
+
+        def validation_started(self) -> None:
+            super().validation_started()
+            self.validation_bytes = [*getattr(self, "validation_bytes", []), _held_bytes(self.model)]
+
+        def pipeline_metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+            self.validation_bytes.append(_held_bytes(self.model))
+            return {"loss": F.cross_entropy(outputs, targets),
+                    "accuracy": (outputs.argmax(1) == targets).double().mean()}
+
+    return StagedRecording if staged else Recording
 
 
 class _HeldWhileTraining(StepCallback):
@@ -178,9 +204,7 @@ class _HeldWhileTraining(StepCallback):
         self.most = 0
 
     def before_update(self, step: int, model: torch.nn.Module) -> None:
-        held = sum((p.to_local() if hasattr(p, "to_local") else p).untyped_storage().nbytes()
-                   for p in model.parameters())
-        self.most = max(self.most, held)
+        self.most = max(self.most, _held_bytes(model))
 
 
 def _train_all(topology: Topology, root: str, cases: dict[str, dict[str, Any]], extras: bool = True
@@ -195,7 +219,8 @@ def _train_all(topology: Topology, root: str, cases: dict[str, dict[str, Any]], 
         if topology.rank == 0:
             prepare_run_dir(config, run_dir, FIXTURES)
         barrier()
-        trainer = Trainer(config=config, trial_class=_recording(DigitsTrial), topology=topology,
+        staged = bool(raw["hyperparameters"].get("staged_validation"))
+        trainer = Trainer(config=config, trial_class=_recording(DigitsTrial, staged), topology=topology,
                           run_info=load_run_info(run_dir))
         held = _HeldWhileTraining()
         trainer.callbacks.register(held)
@@ -207,6 +232,7 @@ def _train_all(topology: Topology, root: str, cases: dict[str, dict[str, Any]], 
                          "validation": [v["metrics"] for v in trainer.state.validation_history],
                          "waits": {phase: summary["profile"]["ranks"][topology.rank]["mean_seconds"].get(phase, 0.0)
                                    for phase in ("all_gather", "reduce_scatter", "bubble")},
+                         "validation_bytes": getattr(trainer.trial, "validation_bytes", None),
                          "state": _whole(model), "identical": summary["replicas_identical"]}
         history = getattr(trainer.forward_backward, "history", None)
         if history is not None:
@@ -441,6 +467,23 @@ def test_fsdp_validation_with_unequal_batch_counts_per_rank_equals_zero1s(traine
             assert all(sharded[k] == pytest.approx(plain[k], rel=1e-9) for k in plain), (sharded, plain)
 
 
+def test_pipeline_validation_in_stages_equals_the_whole_model_and_holds_one_stage(
+        trained: list[dict[str, Any]]) -> None:
+    """With pipeline_metrics the validation batches run through the stages: the metrics equal ZeRO-1's (the same
+    weights within 1e-9, the whole model on each rank) on both ranks, and every rank held only its own stage's
+    parameters while it validated (no stage was gathered)."""
+    stage_bytes = [(64 * 16 + 16) * 8, (16 * 10 + 10) * 8]
+    for index, rank in enumerate(trained):
+        staged, plain = rank["pipeline_1f1b_staged"]["validation"], rank["zero1"]["validation"]
+        assert staged and len(staged) == len(plain)
+        for mine, theirs in zip(staged, plain, strict=True):
+            assert mine.keys() == theirs.keys()
+            assert all(mine[k] == pytest.approx(theirs[k], rel=1e-9) for k in theirs), (mine, theirs)
+        held = rank["pipeline_1f1b_staged"]["validation_bytes"]
+        assert held and set(held) == {stage_bytes[index]}
+        assert len(held) == len(staged) * (4 if index == 1 else 1)  # the last stage computed 3 batches' metrics
+
+
 def test_an_interrupted_pipeline_run_resumes_bitwise_identical(trained: list[dict[str, Any]]) -> None:
     """A pipeline checkpoint gathers the stages from their owners (model.pt whole, optimizer state merged);
     resuming from it frees the other stages again and ends bitwise where the uninterrupted run ends, and the
@@ -486,9 +529,21 @@ PIPELINE_X_DATA = {**case("pipeline", pipeline={"stages": 2, "microbatches": 4, 
 def test_pipeline_x_data_on_a_2x2_mesh_equals_single_process(spawn: Callable[..., list[Any]],
                                                              tmp_path: Path) -> None:
     """4 ranks: 2 pipeline replicas (data) x 2 stages; each replica trains on half the global batch in 4
-    microbatches and the stages' gradients are averaged over the replicas."""
-    ranks = spawn(_train_all, 4, str(tmp_path), {"pipe_x_data": PIPELINE_X_DATA}, False, timeout=240)
+    microbatches and the stages' gradients are averaged over the replicas. Validated in stages too, each replica
+    on its half of the validation data, the metrics equal the whole model's."""
+    staged = {**PIPELINE_X_DATA, "hyperparameters": {**PIPELINE_X_DATA["hyperparameters"], "staged_validation": True}}
+    ranks = spawn(_train_all, 4, str(tmp_path), {"pipe_x_data": PIPELINE_X_DATA, "staged": staged}, False,
+                  timeout=240)
     reference = _reference(PIPELINE_X_DATA, _sgd)
-    for rank in ranks:
+    stage_bytes = [(64 * 16 + 16) * 8, (16 * 10 + 10) * 8]  # rank d*p + s runs stage s
+    for index, rank in enumerate(ranks):
         assert _relative(rank["pipe_x_data"]["state"], reference) < 1e-9
         assert rank["pipe_x_data"]["identical"]
+        held = rank["staged"]["validation_bytes"]
+        assert held and set(held) == {stage_bytes[index % 2]}
+        # validation through the stages, each replica its half of the data: the whole model's metrics
+        staged_metrics, whole_metrics = rank["staged"]["validation"], rank["pipe_x_data"]["validation"]
+        assert staged_metrics and len(staged_metrics) == len(whole_metrics)
+        for mine, theirs in zip(staged_metrics, whole_metrics, strict=True):
+            assert mine.keys() == theirs.keys()
+            assert all(mine[k] == pytest.approx(theirs[k], rel=1e-9) for k in theirs), (mine, theirs)
