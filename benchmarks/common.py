@@ -182,10 +182,9 @@ class KeptRounds:
     instead of starting again. Rows are only continued by the same commit with the same settings; without a
     workdir nothing is kept. Every row says when, and under what load, its piece of the run started."""
 
-    def __init__(self, workdir: Path | None, settings: dict[str, Any], round_key: str = "repeat") -> None:
+    def __init__(self, workdir: Path | None, settings: dict[str, Any]) -> None:
         self.path = Path(workdir) / "rows.json" if workdir is not None else None
         self.identity = {"commit": STARTED["commit"], "dirty": STARTED["dirty"], **settings}
-        self.round_key = round_key
         self.rows: list[dict[str, Any]] = []
         self.extra: dict[str, Any] = {}
         if self.path is not None and self.path.is_file():
@@ -203,7 +202,7 @@ class KeptRounds:
     @property
     def rounds(self) -> int:
         """How many rounds are finished (kept or added)."""
-        return len({row[self.round_key] for row in self.rows})
+        return len({row["repeat"] for row in self.rows})
 
     def add(self, round_rows: Sequence[dict[str, Any]], **extra: Any) -> None:
         """Add a finished round's rows (and any facts to keep beside them) and write the file at once."""
@@ -213,10 +212,10 @@ class KeptRounds:
         self.rows.extend(round_rows)
         self.extra.update(extra)
         if self.path is not None:
+            from dtrain.runs.rundir import write_json_atomic  # here: ranks that import common need no config models
+
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = self.path.with_suffix(".tmp")
-            temporary.write_text(json.dumps({"identity": self.identity, "rows": self.rows, "extra": self.extra}))
-            temporary.replace(self.path)
+            write_json_atomic(self.path, {"identity": self.identity, "rows": self.rows, "extra": self.extra})
 
 
 def save_figure(figure: Any, path: Path) -> None:
