@@ -212,7 +212,7 @@ def _print_summary(run_dir: Path, experiment_id: int | None, summary: dict[str, 
         first,
         f"  validation   {metrics or 'none'}",
         f"  run dir      {run_dir}",
-        f"  checkpoint   {summary.get('checkpoint')}",
+        f"  checkpoint   {_describe_checkpoint(run_dir, summary.get('checkpoint'))}",
         f"  TensorBoard  tensorboard --logdir {run_dir / 'tensorboard'}",
     ]
     if summary.get("world_size", 1) > 1 and summary.get("strategy"):
@@ -230,6 +230,19 @@ def _print_summary(run_dir: Path, experiment_id: int | None, summary: dict[str, 
     print("\n".join(lines))
 
 
+def _describe_checkpoint(run_dir: Path, model_file: str | None) -> str:
+    """The last checkpoint's model.pt, or, when the run wrote its weights as shards (fsdp, pipeline), how to get a
+    plain one."""
+    from dtrain.train.checkpoint import SHARDED_DIR
+
+    if model_file is None:
+        return "none"
+    step_dir = Path(model_file).parent
+    if (step_dir.parent / SHARDED_DIR / step_dir.name).is_dir():
+        return f"{step_dir} (weights in shards: `dtrain export {run_dir}` writes a plain model.pt)"
+    return model_file
+
+
 def _describe_sync(strategy: dict[str, Any]) -> str:
     """`allreduce, op average, buckets 1.6 MB (auto-tuned: 0.4 MB 79 ms/step, 1.6 MB 71 ms/step)`."""
     if strategy.get("name") == "parameter_server":
@@ -237,6 +250,12 @@ def _describe_sync(strategy: dict[str, Any]) -> str:
                 f"{strategy.get('staleness_mean', 0.0):.2f} max {strategy.get('staleness_max', 0)}, dropped gradients "
                 f"{strategy.get('dropped_gradients', 0)}")
         return text
+    if strategy.get("name") == "pipeline":
+        return (f"pipeline, {strategy.get('stages')} stages x {strategy.get('replicas')} replica(s), "
+                f"{strategy.get('schedule')} with {strategy.get('microbatches')} microbatches (bubble "
+                f"{strategy.get('bubble_fraction', 0.0):.0%} of a step by the formula)")
+    if strategy.get("name") == "fsdp":
+        return f"fsdp, {strategy.get('shards')} shards, reshard_after_forward {strategy.get('reshard_after_forward')}"
     text = f"{strategy.get('name')}, op {strategy.get('op')}"
     if "bucket_cap_mb" in strategy:
         text += f", buckets {strategy['bucket_cap_mb']:.3g} MB"

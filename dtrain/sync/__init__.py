@@ -15,6 +15,7 @@ from dtrain.sync.base import (
     ComputePhases,
     Consolidating,
     EvaluatesInStages,
+    HoldsModelParts,
     OptimizerWrapping,
     OwnsCheckpointState,
     ReportingMetrics,
@@ -58,6 +59,7 @@ def build_strategy(config: ExperimentConfig, topology: Topology) -> SyncStrategy
 
 __all__ = ["REGISTRY", "AllReduceStrategy", "AsynchronousPacing", "BucketObserving", "CollectiveForward",
            "ComputePhases", "Consolidating", "EvaluatesInStages", "FsdpStrategy", "HierarchicalStrategy",
+           "HoldsModelParts",
            "LocalSGDStrategy",
            "OptimizerWrapping", "OwnsCheckpointState", "ParameterServerStrategy", "PipelineStrategy",
            "ReportingMetrics", "RunsForwardBackward", "ShardedConstruction", "StrategyBuilder", "SyncStrategy",

@@ -228,6 +228,17 @@ class EvaluatesInStages(Protocol):
 
 
 @runtime_checkable
+class HoldsModelParts(Protocol):
+    """Ranks that hold different parts of the model (pipeline stages): the end-of-run replica check compares each
+    rank's part with the same part on the other replicas, so no rank assembles the whole model for it. Without it
+    every rank's whole unwrapped model is compared with every other rank's."""
+
+    def replica_part(self) -> tuple[nn.Module, int]:
+        """The module this rank holds and its part number (ranks with the same number must hold equal weights)."""
+        ...
+
+
+@runtime_checkable
 class TimesWaits(Protocol):
     """Measures its own communication waits inside forward and backward (FSDP's all-gathers and reduce-scatters,
     a pipeline stage's bubble), so the phase timers show them as phases `all_gather`, `reduce_scatter`, `bubble`.

@@ -98,8 +98,8 @@ def resume(checkpoint: Checkpoint, root: Path, owner: OwnsCheckpointState, optim
         if sharded is not None:  # every rank reads its own shards
             if not isinstance(owner, WritesShardedCheckpoint):
                 raise CheckpointError(f"checkpoint step-{checkpoint.step} in {root} holds sharded state (written by "
-                                      "strategy fsdp); resume it with distributed.strategy fsdp, or make a plain "
-                                      "model.pt with `dtrain export` and start a new run from it")
+                                      "strategy fsdp or pipeline); resume it with the strategy that wrote it, or "
+                                      "make a plain model.pt with `dtrain export` and start a new run from it")
             owner.load_sharded(root / sharded, optimization.optimizer)
         else:
             owner.load_model_state_dict(checkpoint.model_state)

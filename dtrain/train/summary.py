@@ -62,12 +62,16 @@ def communication_summary(state: TrainerState, compression: str) -> dict[str, An
             "total_bytes": state.wire_bytes}
 
 
-def replicas_identical(model: nn.Module) -> bool:
+def replicas_identical(model: nn.Module, part: int = 0) -> bool:
     """Every rank must end with the same weights (a skipped update, a restart or a bug that broke that would
-    otherwise go unnoticed); one digest per rank, compared on all. SyncError when they differ."""
-    digests = all_gather_object(model_digest(model))
-    if len(set(digests)) > 1:
-        groups = ", ".join(f"rank {rank}: {digest[:12]}" for rank, digest in enumerate(digests))
+    otherwise go unnoticed); one digest per rank, compared on all. `model` is the part of the model this rank
+    holds and `part` which one (pipeline stages): ranks are compared with the ranks that hold the same part.
+    SyncError when they differ."""
+    digests = all_gather_object((part, model_digest(model)))
+    if any(len({digest for held, digest in digests if held == one}) > 1 for one, _ in digests):
+        parts = len({held for held, _ in digests}) > 1
+        groups = ", ".join(f"rank {rank}: {digest[:12]}" + (f" (part {held})" if parts else "")
+                           for rank, (held, digest) in enumerate(digests))
         raise SyncError(f"the model replicas differ at the end of training ({groups}); a rank applied an update "
                         "the others did not - please report this with the run's logs")
     return True

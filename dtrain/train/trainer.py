@@ -32,6 +32,7 @@ from dtrain.sync import (
     CollectiveForward,
     Consolidating,
     EvaluatesInStages,
+    HoldsModelParts,
     RunsForwardBackward,
     ShardedConstruction,
     SyncStrategy,
@@ -519,7 +520,9 @@ class Trainer:
                               strategy=self.strategy.describe(), compression=self.config.compression.name)
         if self.stopped_by is not None:
             summary["stopped_by_searcher"] = self.stopped_by
-        summary["replicas_identical"] = replicas_identical(self.strategy.unwrap_model())
+        held, part = (self.strategy.replica_part() if isinstance(self.strategy, HoldsModelParts)
+                      else (self.strategy.unwrap_model(), 0))
+        summary["replicas_identical"] = replicas_identical(held, part)
         summary["profile"] = run_profile(self.profiler, self.topology)
         if self.topology.is_chief:
             write_json_atomic(self.run_dir / SUMMARY_FILE, summary)

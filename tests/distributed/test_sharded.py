@@ -485,25 +485,28 @@ def test_pipeline_validation_in_stages_equals_the_whole_model_and_holds_one_stag
 
 
 def test_an_interrupted_pipeline_run_resumes_bitwise_identical(trained: list[dict[str, Any]]) -> None:
-    """A pipeline checkpoint gathers the stages from their owners (model.pt whole, optimizer state merged);
-    resuming from it frees the other stages again and ends bitwise where the uninterrupted run ends, and the
-    exported model.pt holds the whole model's final weights."""
+    """Each stage writes its own part of a pipeline checkpoint (DCP: one file per rank, model.pt without weights);
+    resuming from it reads each rank's stage back and ends bitwise where the uninterrupted run ends, and `dtrain
+    export` joins the stages into the whole model's final weights."""
     for rank in trained:
         uninterrupted = rank["pipeline_1f1b"]["state"]
         assert all(torch.equal(rank["pipeline_resumed"]["state"][k], uninterrupted[k]) for k in uninterrupted)
     chief = trained[0]["pipeline_resumed"]
-    assert chief["shard_files"] == []
-    for saved in (chief["model_pt"], chief["exported"]):
-        assert set(saved) == set(trained[0]["pipeline_1f1b"]["state"])
-        assert all(torch.equal(saved[k], trained[0]["pipeline_1f1b"]["state"][k]) for k in saved)
+    assert chief["model_pt"] == {}
+    assert ".metadata" in chief["shard_files"] and len([f for f in chief["shard_files"] if f.endswith(".distcp")]) == 2
+    exported = chief["exported"]
+    assert set(exported) == set(trained[0]["pipeline_1f1b"]["state"])
+    assert all(torch.equal(exported[k], trained[0]["pipeline_1f1b"]["state"][k]) for k in exported)
 
 
 @pytest.mark.parametrize("name", ["pipeline_gpipe", "pipeline_1f1b"])
 def test_pipeline_ranks_hold_only_their_stage_while_training(trained: list[dict[str, Any]], name: str) -> None:
-    """Stage 0 (Flatten, Linear(64, 16)) and stage 1 (Tanh, Linear(16, 10)) in float64: before every update each
-    rank has allocated only its own stage's parameters; the whole model is back for the final state."""
+    """Stage 0 (Flatten, Linear(64, 16)) and stage 1 (Tanh, Linear(16, 10)) in float64: rank 0 builds the whole
+    model (the initial weights), rank 1 builds it on the meta device (0 bytes) and receives its stage; before every
+    update each rank has allocated only its own stage's parameters; the whole model is back for the final state."""
     stage_bytes = [(64 * 16 + 16) * 8, (16 * 10 + 10) * 8]
     for index, rank in enumerate(trained):
+        assert rank[name]["built_bytes"] == (sum(stage_bytes) if index == 0 else 0)
         assert rank[name]["training_bytes"] == stage_bytes[index]
         assert sum(v.numel() * 8 for v in rank[name]["state"].values()) == sum(stage_bytes)
 
@@ -539,6 +542,8 @@ def test_pipeline_x_data_on_a_2x2_mesh_equals_single_process(spawn: Callable[...
     for index, rank in enumerate(ranks):
         assert _relative(rank["pipe_x_data"]["state"], reference) < 1e-9
         assert rank["pipe_x_data"]["identical"]
+        assert rank["pipe_x_data"]["built_bytes"] == (sum(stage_bytes) if index == 0 else 0)  # the others: meta
+        assert rank["pipe_x_data"]["training_bytes"] == stage_bytes[index % 2]
         held = rank["staged"]["validation_bytes"]
         assert held and set(held) == {stage_bytes[index % 2]}
         # validation through the stages, each replica its half of the data: the whole model's metrics

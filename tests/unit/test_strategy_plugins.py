@@ -28,9 +28,12 @@ from dtrain.sync import (
     CollectiveForward,
     ComputePhases,
     Consolidating,
+    EvaluatesInStages,
+    HoldsModelParts,
     OptimizerWrapping,
     OwnsCheckpointState,
     ParameterServerStrategy,
+    PipelineStrategy,
     ReportingMetrics,
     RunsForwardBackward,
     ShardedConstruction,
@@ -38,6 +41,7 @@ from dtrain.sync import (
     TimesWaits,
     TrainBatch,
     WireMetering,
+    WritesShardedCheckpoint,
     build_strategy,
 )
 from dtrain.sync.allreduce import build_allreduce
@@ -48,9 +52,9 @@ from dtrain.train.trainer import Trainer
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 ONE_PROCESS = Topology(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, backend="gloo",
                        device=torch.device("cpu"), launcher="none")
-EXTENSIONS = (AsynchronousPacing, BucketObserving, CollectiveForward, Consolidating, OptimizerWrapping,
-              OwnsCheckpointState, ReportingMetrics, RunsForwardBackward, ShardedConstruction, TimesWaits,
-              WireMetering)
+EXTENSIONS = (AsynchronousPacing, BucketObserving, CollectiveForward, Consolidating, EvaluatesInStages,
+              HoldsModelParts, OptimizerWrapping, OwnsCheckpointState, ReportingMetrics, RunsForwardBackward,
+              ShardedConstruction, TimesWaits, WireMetering, WritesShardedCheckpoint)
 RAW: dict[str, Any] = {
     "name": "plugins", "entrypoint": "digits_trial:DigitsTrial",
     "hyperparameters": {"global_batch_size": 24, "learning_rate": 0.5, "momentum": 0.9, "float64": True,
@@ -105,7 +109,16 @@ def test_fsdp_is_the_core_plus_sharded_construction_collective_forward_checkpoin
     strategy = FsdpStrategy(ONE_PROCESS)  # no Consolidating: no plain copy of the model to refresh
     assert isinstance(strategy, SyncStrategy)
     assert {kind for kind in EXTENSIONS if isinstance(strategy, kind)} == {
-        ShardedConstruction, CollectiveForward, OwnsCheckpointState, TimesWaits}
+        ShardedConstruction, CollectiveForward, OwnsCheckpointState, WritesShardedCheckpoint, TimesWaits}
+
+
+def test_pipeline_is_the_core_plus_its_per_stage_construction_schedule_checkpoints_and_checks() -> None:
+    strategy = object.__new__(PipelineStrategy)  # its constructor builds a device mesh
+    strategy.evaluation_replica, strategy.evaluation_replicas = 0, 1
+    assert isinstance(strategy, SyncStrategy)
+    assert {kind for kind in EXTENSIONS if isinstance(strategy, kind)} == {
+        ShardedConstruction, RunsForwardBackward, Consolidating, OwnsCheckpointState, WritesShardedCheckpoint,
+        EvaluatesInStages, HoldsModelParts, TimesWaits}
 
 
 def test_parameter_server_is_the_core_plus_pacing_consolidation_and_metrics() -> None:
