@@ -245,6 +245,9 @@ def _train_all(topology: Topology, root: str, cases: dict[str, dict[str, Any]], 
     results["fsdp_resumed"] = _interrupted_and_resumed(topology, Path(root) / "fsdp_resumed", CASES["fsdp"])
     results["pipeline_resumed"] = _interrupted_and_resumed(topology, Path(root) / "pipeline_resumed",
                                                            CASES["pipeline_1f1b"])
+    recut = case("pipeline", pipeline={"stages": 2, "microbatches": 4, "schedule": "gpipe", "split_points": ["3"]})
+    results["pipeline_recut"] = _interrupted_and_resumed(topology, Path(root) / "pipeline_recut",
+                                                         CASES["pipeline_gpipe"], recut)
     return results
 
 
@@ -289,9 +292,11 @@ def _model_state_bytes(topology: Topology) -> dict[str, Any]:
     return measured
 
 
-def _interrupted_and_resumed(topology: Topology, run_dir: Path, raw: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _interrupted_and_resumed(topology: Topology, run_dir: Path, raw: dict[str, Any],
+                             resumed_raw: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """Checkpoints every 2 batches; the first attempt ends after batch 3 and its step-3 checkpoint is removed, as
-    if it had been killed during batch 3; a second Trainer resumes from step 2 and trains to the end."""
+    if it had been killed during batch 3; a second Trainer (with `resumed_raw` when given) resumes from step 2 and
+    trains to the end."""
     import shutil
 
     sys.path.insert(0, str(FIXTURES))
@@ -308,7 +313,8 @@ def _interrupted_and_resumed(topology: Topology, run_dir: Path, raw: dict[str, A
         shutil.rmtree(run_dir / "checkpoints" / "step-3")
         (run_dir / "checkpoints" / "latest").write_text("step-2")
     barrier()
-    second = load_config(None, raw=every).config
+    second = load_config(None, raw={**(resumed_raw or raw), "min_checkpoint_period": {"batches": 2},
+                                    "checkpoint_storage": {"save_trial_latest": 3}}).config
     trainer = Trainer(config=second, trial_class=DigitsTrial, topology=topology, run_info=load_run_info(run_dir))
     assert trainer.resumed and trainer.state.steps_completed == 2
     assert trainer.fit()["status"] == "completed"
@@ -497,6 +503,15 @@ def test_an_interrupted_pipeline_run_resumes_bitwise_identical(trained: list[dic
     exported = chief["exported"]
     assert set(exported) == set(trained[0]["pipeline_1f1b"]["state"])
     assert all(torch.equal(exported[k], trained[0]["pipeline_1f1b"]["state"][k]) for k in exported)
+
+
+def test_a_pipeline_checkpoint_resumes_into_stages_cut_elsewhere(trained: list[dict[str, Any]]) -> None:
+    """Written by stages cut before child 2 (Flatten, Linear | Tanh, Linear), resumed by stages cut before child 3
+    (Flatten, Linear, Tanh | Linear): the shards are named by the whole model, so each new stage finds its tensors
+    and optimizer state, and the run ends where the uninterrupted one does (1e-12, float64)."""
+    for rank in trained:
+        uninterrupted = rank["pipeline_gpipe"]["state"]
+        assert _relative(rank["pipeline_recut"]["state"], uninterrupted) < 1e-12
 
 
 @pytest.mark.parametrize("name", ["pipeline_gpipe", "pipeline_1f1b"])

@@ -1,0 +1,56 @@
+"""Per-stage construction of a pipeline (no processes): a rank that built the model on the meta device gets its own
+stage's tensors allocated with rank 0's strides, the other stages' with their shapes and no storage, and tied
+tensors stay tied."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dtrain.comm import Topology
+from dtrain.sync.pipeline import PipelineStrategy, cut_model
+
+RANK_1 = Topology(rank=1, world_size=2, local_rank=1, local_world_size=2, node_rank=0, backend="gloo",
+                  device=torch.device("cpu"), launcher="none")
+
+
+class TiedConvNet(nn.Sequential):
+    """Stage 0: a convolution and a batch norm (a buffer); stage 1: a linear layer whose weight is also a parameter
+    of stage 0 (tied), and a head."""
+
+    def __init__(self) -> None:
+        shared = nn.Linear(4, 4, bias=False)
+        super().__init__(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.AdaptiveAvgPool1d(4), shared,
+                         nn.Linear(4, 2))
+        self.mirror = nn.Linear(4, 4, bias=False)
+        self.mirror.weight = shared.weight  # tied across the cut
+
+
+def _stage_1_rank() -> tuple[PipelineStrategy, nn.Module]:
+    strategy = object.__new__(PipelineStrategy)  # its constructor builds a device mesh
+    strategy.topology, strategy.stages, strategy.stage_index, strategy._released = RANK_1, 2, 1, {}
+    with torch.device("meta"):
+        model = TiedConvNet()
+    strategy._model, strategy._parts = model, cut_model(model, 2, ["4"])
+    strategy._parts[0].add_module("mirror", model.mirror)  # the tied layer belongs to stage 0 as well
+    return strategy, model
+
+
+def test_a_meta_rank_allocates_its_own_stage_only_with_rank_0s_strides() -> None:
+    strategy, model = _stage_1_rank()
+    tensors = strategy._tensors_and_stages(model)
+    channels_last = [torch.empty(t.shape).contiguous(memory_format=torch.channels_last).stride() if t.dim() == 4
+                     else t.stride() for t, _ in tensors]
+    received = strategy._materialize(model, tensors, channels_last)
+    conv, shared, head = model[0], model[4], model[5]
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    assert conv.weight.untyped_storage().nbytes() == 0 and model[1].running_mean.untyped_storage().nbytes() == 0
+    assert conv.weight.stride() == torch.empty(4, 3, 3, 3).contiguous(memory_format=torch.channels_last).stride()
+    assert head.weight.untyped_storage().nbytes() == 2 * 4 * 4 and head.bias.untyped_storage().nbytes() == 2 * 4
+    assert model.mirror.weight is shared.weight and shared.weight.untyped_storage().nbytes() == 4 * 4 * 4
+    assert isinstance(shared.weight, nn.Parameter) and shared.weight.requires_grad
+    assert {id(t) for t in received.values()} == {id(shared.weight), id(head.weight), id(head.bias)}
+    released = {id(t) for t in [conv.weight, conv.bias, *model[1].parameters(), *model[1].buffers()]}
+    assert set(strategy._released) == released
+    conv.weight.untyped_storage().resize_(strategy._released[id(conv.weight)])  # what unwrap_model gives back
+    assert conv.weight.untyped_storage().nbytes() == 4 * 3 * 3 * 3 * 4
