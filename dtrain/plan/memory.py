@@ -50,9 +50,10 @@ class MemoryEstimate:
 def model_state_bytes(parameters: float, layout: str, ranks: int, optimizer: str = "adam",
                       stages: int = 1) -> MemoryEstimate:
     """Bytes of weights, gradients and optimizer state on one rank for `parameters` parameters. `stages` > 1:
-    dtrain's pipeline, where a rank keeps the whole model's weights (for validation and checkpoints) but the
-    gradients and optimizer state of its stage only (1/stages of the model, equal stages assumed), on top of
-    `layout` over the ranks = data replicas."""
+    dtrain's pipeline, where a rank holds its own stage's weights, gradients and optimizer state (1/stages of the
+    model, equal stages assumed) while it trains, on top of `layout` over the ranks = data replicas. Not counted:
+    rank 0 holds the whole weights while it hands the stages out at construction, and every rank while a Trial
+    without `pipeline_metrics` validates."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {', '.join(LAYOUTS)}")
     if ranks < 1 or stages < 1:
@@ -62,7 +63,7 @@ def model_state_bytes(parameters: float, layout: str, ranks: int, optimizer: str
     per_stage = parameters / stages
     return MemoryEstimate(
         layout=layout, ranks=ranks,
-        weight_bytes=weight * parameters / (ranks if shard_w else 1),
+        weight_bytes=weight * per_stage / (ranks if shard_w else 1),
         gradient_bytes=grad * per_stage / (ranks if shard_g else 1),
         optimizer_bytes=state * per_stage / (ranks if shard_s else 1))
 
