@@ -3,13 +3,16 @@ FSDP2 trains under, pipeline efficiency against the bubble formula, mixed-precis
 accuracy against fp32 on the Fashion-MNIST demo.
 
 1. Memory (2 and 4 processes, gloo): the wide MLP of examples/wide_mlp (106 M parameters) with Adam, 2 steps
-   through dtrain's strategies (allreduce = DDP, zero1, fsdp). Per rank: model-state bytes (local parameters,
-   gradients, optimizer state tensors; DTensor shards by their local size), peak RSS, and `dtrain plan`'s
-   prediction (dtrain.plan.memory) with its error. Headline `fsdp_memory_fraction_4` = FSDP2 / DDP model-state
+   through dtrain's strategies (allreduce = DDP, zero1, fsdp, and pipeline: 2 stages, 1F1B, 4 microbatches, at 4
+   processes 2 replicas of it). Per rank: model-state bytes (local parameters, gradients, optimizer state tensors;
+   DTensor shards by their local size, a pipeline's parameters by the storage they hold), peak RSS, and `dtrain
+   plan`'s prediction (dtrain.plan.memory) with its error. Headline `pipeline_memory_fraction_2` = pipeline / DDP
+   at 2 ranks (ideal 0.5 with equal stages). Headline `fsdp_memory_fraction_4` = FSDP2 / DDP model-state
    bytes at 4 ranks (target <= 0.30, ideal 0.25), `plan_memory_error_max`.
 2. Memory cap (2 processes, root): each worker joins its own cgroup v1 memory group (a child of this process's
    group) after start-up, limited to `--cap-gb` between FSDP2's need and DDP's; the kernel's OOM killer ends a
-   worker past it. DDP must fail to train, FSDP2 must train. Without root the part is skipped with the reason.
+   worker past it. DDP must fail to train, FSDP2 must train; the pipeline's result is reported. Without root the
+   part is skipped with the reason.
 3. Pipeline (2 processes, p = 2, wide MLP width 1024, batch 256, 1 thread each, `dtrain run`'s malloc settings):
    measured T = dtrain's pipeline strategy (GPipe and 1F1B) on the batch; ideal T_ideal = m x the time per stage
    of one microbatch from a 1-stage run, as the reference defines it: the whole model in one of the same
@@ -136,9 +139,34 @@ def _local_bytes(tensor: Any) -> int:
 def _strategy(layout: str, topology: Any) -> Any:
     from dtrain.sync.allreduce import AllReduceStrategy
     from dtrain.sync.fsdp import FsdpStrategy
+    from dtrain.sync.pipeline import PipelineStrategy
     from dtrain.sync.zero import Zero1Strategy
 
+    if layout == "pipeline":  # 2 stages; at 4 ranks 2 replicas of them (pipeline x data)
+        return PipelineStrategy(topology, stages=2, microbatches=4, schedule="1f1b")
     return {"ddp": AllReduceStrategy, "zero1": Zero1Strategy, "fsdp": FsdpStrategy}[layout](topology)
+
+
+class _PipelineTrial:
+    """What the pipeline strategy asks of a Trial: the loss of the last stage's outputs."""
+
+    def pipeline_loss(self, outputs: Any, targets: Any) -> Any:
+        import torch.nn.functional as F
+
+        return F.cross_entropy(outputs, targets)
+
+    def train_batch(self, batch: Any, model: Any) -> Any:
+        raise NotImplementedError  # the pipeline runs its schedule instead
+
+
+class _NoPhases:
+    """The Trainer's phase timers, switched off."""
+
+    def forward(self) -> Any:
+        return nullcontext()
+
+    def backward(self) -> Any:
+        return nullcontext()
 
 
 def return_freed_blocks() -> None:
@@ -164,7 +192,8 @@ def _train_steps(topology: Any, layout: str, steps: int, batch: int) -> dict[str
     return_freed_blocks()
     torch.manual_seed(0)
     strategy = _strategy(layout, topology)
-    # FSDP2 as the Trainer builds it: on the meta device on every rank but rank 0 (ShardedConstruction)
+    # FSDP2 and the pipeline as the Trainer builds them: on the meta device on every rank but rank 0
+    # (ShardedConstruction)
     with strategy.model_construction() if hasattr(strategy, "model_construction") else nullcontext():
         model = build_wide_mlp(INPUTS, WIDTH, BLOCKS, CLASSES)
     parameters = sum(p.numel() for p in model.parameters())
@@ -174,9 +203,16 @@ def _train_steps(topology: Any, layout: str, steps: int, batch: int) -> dict[str
         optimizer = strategy.wrap_optimizer(optimizer)
     inputs, labels = torch.randn(batch, INPUTS), torch.randint(0, CLASSES, (batch,))
     for _ in range(steps):
-        F.cross_entropy(wrapped(inputs), labels).backward()
+        if layout == "pipeline":
+            strategy.forward_backward(wrapped, (inputs, labels), _PipelineTrial().train_batch, loss_scale=1.0,
+                                      communicate=True, phases=_NoPhases())
+        else:
+            F.cross_entropy(wrapped(inputs), labels).backward()
         strategy.step(optimizer)
-    weights = sum(_local_bytes(p) for p in model.parameters())
+    if layout == "pipeline":  # the other stages' parameters keep their shapes but hold no storage
+        weights = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    else:
+        weights = sum(_local_bytes(p) for p in model.parameters())
     grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
     local_optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard in .optim
     state = sum(_local_bytes(v) for s in local_optimizer.state.values() for v in s.values()
@@ -191,13 +227,15 @@ def memory_rows(worlds: list[int], log: Any) -> list[dict[str, Any]]:
 
     rows = []
     for world in worlds:
-        for layout in ("ddp", "zero1", "fsdp"):
+        for layout in ("ddp", "zero1", "fsdp", "pipeline"):
             log(f"memory: {layout} on {world} processes ...")
             ranks = spawn(_train_steps, world, layout, 2, 8)
             if any("error" in r for r in ranks):
                 raise RuntimeError(f"{layout} x{world}: {ranks}")
             measured = max(r["model_state_bytes"] for r in ranks)
-            predicted = model_state_bytes(ranks[0]["parameters"], layout, world, "adam").total_bytes
+            predicted = (model_state_bytes(ranks[0]["parameters"], "ddp", world // 2, "adam", stages=2)
+                         if layout == "pipeline" else model_state_bytes(ranks[0]["parameters"], layout, world, "adam")
+                         ).total_bytes
             rows.append({"part": "memory", "layout": layout, "ranks": world, "parameters": ranks[0]["parameters"],
                          "model_state_bytes_max_rank": measured,
                          "model_state_bytes_per_rank": [r["model_state_bytes"] for r in ranks],
@@ -236,15 +274,15 @@ def _capped(topology: Any, layout: str, groups: list[str]) -> dict[str, Any]:
 
 
 def cap_rows(cap_gb: float, log: Any, ranks: int = 2) -> list[dict[str, Any]]:
-    """DDP and FSDP2 on `ranks` processes, each worker in its own memory cgroup limited to `cap_gb` over its size
-    at start-up. Per worker: whether it trained, the group's peak usage (`memory.max_usage_in_bytes`) and the
-    OOM kills the kernel counted."""
+    """DDP, FSDP2 and a 2-stage pipeline on `ranks` processes, each worker in its own memory cgroup limited to
+    `cap_gb` over its size at start-up. Per worker: whether it trained, the group's peak usage
+    (`memory.max_usage_in_bytes`) and the OOM kills the kernel counted."""
     parent, reason = memory_cgroup_parent()
     if parent is None:
         log(f"memory cap: skipped: {reason}")
         return [{"part": "memory_cap", "skipped": reason}]
     rows = []
-    for layout in ("ddp", "fsdp"):
+    for layout in ("ddp", "fsdp", "pipeline"):
         log(f"memory cap: {layout} on {ranks} processes, each limited to {cap_gb:g} GB over start-up (cgroup) ...")
         groups = [parent / f"dtrain-model-scale-{os.getpid()}-{layout}-{rank}" for rank in range(ranks)]
         for group in groups:
@@ -284,8 +322,6 @@ def _pipeline(topology: Any, microbatches: list[int], schedules: list[str], roun
     model's forward+backward in one process on the whole batch and on one microbatch of each size, and each stage
     alone on a microbatch), and the pipeline strategy on both ranks for each schedule and m. Every time is the
     median of 3 after a warm-up, in the same worker processes (same threads, allocator, model and batch)."""
-    from contextlib import nullcontext
-
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -293,23 +329,9 @@ def _pipeline(topology: Any, microbatches: list[int], schedules: list[str], roun
 
     from dtrain.sync.pipeline import PipelineStrategy, cut_model
 
-    class Trial:
-        def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return F.cross_entropy(outputs, targets)
-
-        def train_batch(self, batch: Any, model: Any) -> Any:
-            raise NotImplementedError
-
-    class Phases:
-        def forward(self) -> Any:
-            return nullcontext()
-
-        def backward(self) -> Any:
-            return nullcontext()
-
     torch.manual_seed(0)
     inputs, labels = torch.randn(batch, INPUTS), torch.randint(0, CLASSES, (batch,))
-    trial, phases = Trial(), Phases()
+    trial, phases = _PipelineTrial(), _NoPhases()
     strategies = {}
     for schedule in schedules:
         for m in microbatches:
@@ -588,6 +610,7 @@ def main() -> None:
         headline["fsdp_memory_fraction_4"] = by[("fsdp", 4)] / by[("ddp", 4)]
         headline["zero1_memory_fraction_4"] = by[("zero1", 4)] / by[("ddp", 4)]
         headline["fsdp_memory_fraction_2"] = by[("fsdp", 2)] / by[("ddp", 2)]
+        headline["pipeline_memory_fraction_2"] = by[("pipeline", 2)] / by[("ddp", 2)]
         headline["plan_memory_error_max"] = max(r["plan_error"] for r in found)
 
     def cap() -> None:
@@ -601,6 +624,8 @@ def main() -> None:
         headline["memory_cap_fsdp_trained"] = found[1]["trained"]
         headline["memory_cap_ddp_oom_kills"] = sum(k or 0 for k in found[0]["oom_kills_per_rank"])
         headline["memory_cap_fsdp_peak_gb"] = max(found[1]["max_usage_bytes_per_rank"]) / GB
+        headline["memory_cap_pipeline_trained"] = found[2]["trained"]
+        headline["memory_cap_pipeline_peak_gb"] = max(found[2]["max_usage_bytes_per_rank"]) / GB
 
     def pipeline() -> None:
         found, found_headline = pipeline_rows([2, 4, 8], ["gpipe", "1f1b"], rounds, PIPELINE_BATCH, PIPELINE_WIDTH,
