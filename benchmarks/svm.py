@@ -12,6 +12,8 @@ run back to back in alternating order:
   kernel, C, gamma and tol.
 
 `--exchanges shm` (or `gloo`) runs the 2-rank variants through one exchange only (the default runs both).
+`--cache-mb` sets the kernel-row cache of every process, dtrain's and scikit-learn's alike (default 200, which
+holds every row at 6,000 samples; a smaller one has rows computed again, as for a data set larger than the cache).
 
 Headline (medians of ratios paired within a round, per-round values beside them), on the exchange whose 2-rank
 time without elimination is lower (`exchange`), with the same figures for the other beside them (`_gloo` or
