@@ -45,6 +45,23 @@ from dtrain.errors import CheckpointError, ConfigError, TrialError
 from dtrain.sync.base import ComputePhases, TrainBatch
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+REPLICA_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+
+
+def gradient_buckets(grads: Sequence[torch.Tensor], limit_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive runs of `grads` of one dtype, each as long as it stays within `limit_bytes` (a gradient larger
+    than the limit is a bucket of its own)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for grad in grads:
+        nbytes = grad.numel() * grad.element_size()
+        if bucket and (size + nbytes > limit_bytes or grad.dtype != bucket[0].dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(grad)
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 def cut_model(model: nn.Module, stages: int, split_points: Sequence[str]) -> list[nn.Module]:
@@ -479,16 +496,22 @@ class PipelineStrategy:
             return loss * (self._loss_scale / self.microbatches)
 
     def _average_over_replicas(self) -> None:
+        """Average this stage's gradients over the replicas, one all-reduce per bucket (consecutive gradients of one
+        dtype up to REPLICA_BUCKET_BYTES, copied into one flat tensor), so averaging costs one bucket's memory
+        rather than a copy of the stage's gradients; a gradient as large as a bucket is reduced in place."""
         grads = [p.grad for p in self._parts[self.stage_index].parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.data_group)
-        flat /= self.replicas
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+        for bucket in gradient_buckets(grads, REPLICA_BUCKET_BYTES):
+            if len(bucket) == 1 and bucket[0].is_contiguous():
+                dist.all_reduce(bucket[0], group=self.data_group)
+                bucket[0] /= self.replicas
+                continue
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, group=self.data_group)
+            flat /= self.replicas
+            offset = 0
+            for grad in bucket:
+                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
 
     def _gather_stages(self) -> None:
         for index, part in enumerate(self._parts):

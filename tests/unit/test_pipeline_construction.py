@@ -54,3 +54,15 @@ def test_a_meta_rank_allocates_its_own_stage_only_with_rank_0s_strides() -> None
     assert set(strategy._released) == released
     conv.weight.untyped_storage().resize_(strategy._released[id(conv.weight)])  # what unwrap_model gives back
     assert conv.weight.untyped_storage().nbytes() == 4 * 3 * 3 * 3 * 4
+
+
+def test_gradients_are_averaged_in_buckets_of_one_dtype_within_the_limit() -> None:
+    """The replicas' all-reduce copies one bucket at a time (not the whole stage's gradients)."""
+    from dtrain.sync.pipeline import gradient_buckets
+
+    grads = [torch.zeros(10), torch.zeros(10), torch.zeros(30), torch.zeros(5, dtype=torch.float64),
+             torch.zeros(5, dtype=torch.float64), torch.zeros(2)]
+    sizes = [[g.numel() for g in bucket] for bucket in gradient_buckets(grads, 80)]
+    assert sizes == [[10, 10], [30], [5, 5], [2]]  # 40 + 40 bytes fit; 120 bytes alone; a dtype change cuts
+    assert [len(b) for b in gradient_buckets(grads, 10**9)] == [3, 2, 1]
+    assert list(gradient_buckets([], 80)) == []
