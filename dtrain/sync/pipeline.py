@@ -17,7 +17,8 @@ the other stages are allocated again and broadcast from their owners (`unwrap_mo
 whole model; the next training step frees them again. Construction (ShardedConstruction): rank 0 builds the model
 (the run's initial weights), the others build it on the meta device and receive only their own stage from rank 0.
 Checkpoints (WritesShardedCheckpoint): each stage writes its own parameters, buffers and optimizer state through
-torch.distributed.checkpoint, under the whole model's names; `dtrain export` joins them into a plain model.pt. The
+torch.distributed.checkpoint, under the whole model's names; `dtrain export` joins them into a plain model.pt (both
+in dtrain/sync/pipeline_state.py). The
 end-of-run replica check compares each stage with the same stage of the other replicas (HoldsModelParts).
 The stage shapes the schedule needs are found by the stages in turn (each runs its own part on a microbatch of
 the shape the previous stage announced), since no rank holds the other stages' weights.
@@ -34,15 +35,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from dtrain.comm import Topology, all_gather_object, broadcast_object, device_mesh
+from dtrain.comm import Topology, all_gather_object, device_mesh
 from dtrain.config import ExperimentConfig
-from dtrain.errors import CheckpointError, ConfigError, TrialError
+from dtrain.errors import ConfigError, TrialError
 from dtrain.sync.base import ComputePhases, TrainBatch
+from dtrain.sync.pipeline_state import distribute_stages, load_stage, save_stage
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 REPLICA_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
@@ -143,7 +143,7 @@ class PipelineStrategy:
         self._model = model
         self._parts = cut_model(model, self.stages, self.split_points)
         self._sizes = [sum(p.numel() for p in part.parameters()) for part in self._parts]
-        self._distribute_stages(model)
+        self._released.update(distribute_stages(model, self._parts, self.stage_index, self.topology))
         self._release_other_stages()
         return model
 
@@ -298,132 +298,18 @@ class PipelineStrategy:
                 del optimizer.state[parameter]
 
     def save_sharded(self, directory: Path, optimizer: torch.optim.Optimizer) -> None:
-        """WritesShardedCheckpoint: every rank offers its own stage's parameters, buffers and optimizer state under
-        the whole model's names (torch.distributed.checkpoint writes each once, from one of the replicas holding
-        it): no rank gathers another stage. The layout is torch's (`model.NAME`, `optim.state.NAME.KEY`,
-        `optim.param_groups` with names), so `dtrain export` joins it into a plain state_dict."""
+        """WritesShardedCheckpoint: every rank writes its own stage (pipeline_state.save_stage); no rank gathers
+        another stage."""
         assert self._model is not None, "wrap_model() first"
-        own = self._own_ids()
-        names = self._parameter_names()
-        model_state = {name: tensor.detach() for name, tensor in self._model.state_dict(keep_vars=True).items()
-                       if id(tensor) in own}
-        state = {names[id(p)]: dict(optimizer.state[p]) for p in self._parts[self.stage_index].parameters()
-                 if p in optimizer.state}
-        groups = [{**{key: value for key, value in group.items() if key != "params"},
-                   "params": [names[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
-        dcp.save({"model": model_state, "optim": {"state": state, "param_groups": groups}},
-                 checkpoint_id=str(directory))
+        save_stage(directory, self._model, self._parts[self.stage_index], optimizer)
 
     def load_sharded(self, directory: Path, optimizer: torch.optim.Optimizer) -> None:
-        """Read back this rank's stage: its parameters and buffers in place, its optimizer state (which parameter
-        names the checkpoint holds, their shapes and dtypes come from its metadata, so a checkpoint cut into other
-        stages loads too); the other stages are not read."""
+        """Read back this rank's stage only (pipeline_state.load_stage)."""
         assert self._model is not None, "wrap_model() first"
-        reader = dcp.FileSystemReader(str(directory))
-        metadata = reader.read_metadata()
-        own = self._own_ids()
-        names = self._parameter_names()
-        own_names = {names[id(p)] for p in self._parts[self.stage_index].parameters()}
-        model_state = {name: tensor.detach() for name, tensor in self._model.state_dict(keep_vars=True).items()
-                       if id(tensor) in own}
-        wanted: dict[str, Any] = {"model": model_state}
-        for key, stored in metadata.state_dict_metadata.items():
-            path = metadata.planner_data[key]
-            if path[0] == "optim" and (path[1] == "param_groups" or (path[1] == "state" and path[2] in own_names)):
-                # a tensor is allocated here, on the CPU (the optimizer's load_state_dict moves each value to its
-                # parameter's device, and keeps a `step` on the CPU); another value is read back whole
-                _place(wanted, path, torch.empty(stored.size, dtype=stored.properties.dtype)
-                       if isinstance(stored, TensorStorageMetadata) else None)
-        dcp.load(wanted, storage_reader=reader)  # tensors in place, other values replaced
-        state = wanted["optim"].get("state", {})
-        ordered = [p for group in optimizer.param_groups for p in group["params"]]
-        index_of = {names[id(p)]: index for index, p in enumerate(ordered)}
-        groups = wanted["optim"]["param_groups"]
-        try:
-            indexed_groups = [{**group, "params": [index_of[name] for name in group["params"]]} for group in groups]
-        except KeyError as missing:
-            raise CheckpointError(f"the checkpoint in {directory} holds optimizer state for parameter {missing}, "
-                                  "which this model does not have; resume with the model it was written for") from None
-        optimizer.load_state_dict({"state": {index_of[name]: values for name, values in state.items()},
-                                   "param_groups": indexed_groups})
+        load_stage(directory, self._model, self._parts[self.stage_index], optimizer)
         self._stale = True  # the other stages' copies (when allocated) are older than this checkpoint
 
     # ------------------------------------------------------------------------------------- internals
-
-    def _own_ids(self) -> set[int]:
-        own = self._parts[self.stage_index]
-        return {id(tensor) for tensor in [*own.parameters(), *own.buffers()]}
-
-    def _parameter_names(self) -> dict[int, str]:
-        """id(parameter) -> its name in the whole model (the first name of a tied parameter)."""
-        assert self._model is not None
-        return {id(p): name for name, p in reversed(list(self._model.named_parameters(remove_duplicate=False)))}
-
-    def _distribute_stages(self, model: nn.Module) -> None:
-        """Ranks that built the model on the meta device get real tensors: their own stage's (and tensors no stage
-        claims) allocated and received from rank 0, one tensor at a time; the other stages' with their shape and
-        rank 0's strides but no storage. Tied tensors stay tied. Nothing happens when every rank built it whole."""
-        tensors = self._tensors_and_stages(model)
-        built_on_meta = any(tensor.is_meta for tensor, _ in tensors)
-        meta_ranks = [rank for rank, flag in enumerate(all_gather_object(built_on_meta)) if flag]
-        if not meta_ranks:
-            return
-        if 0 in meta_ranks:
-            raise TrialError("rank 0 built the model on the meta device; build_model() must create real tensors "
-                             "(dtrain runs it on the meta device on the other ranks itself)")
-        strides = broadcast_object([tensor.stride() for tensor, _ in tensors] if self.topology.rank == 0 else None)
-        received = self._materialize(model, tensors, strides) if built_on_meta else {}
-        with torch.no_grad():
-            for tensor, stages in tensors:
-                needing = [rank for rank in meta_ranks if rank % self.stages in stages]
-                if self.topology.rank == 0:
-                    payload = tensor.detach().contiguous()
-                    for rank in needing:
-                        dist.send(payload, rank)
-                elif self.topology.rank in needing:
-                    target = received[id(tensor)].detach()
-                    if target.is_contiguous():
-                        dist.recv(target, 0)
-                    else:  # another memory format (channels_last): received row-major, then laid out
-                        buffer = torch.empty(target.shape, dtype=target.dtype, device=target.device)
-                        dist.recv(buffer, 0)
-                        target.copy_(buffer)
-
-    def _tensors_and_stages(self, model: nn.Module) -> list[tuple[torch.Tensor, frozenset[int]]]:
-        """Every parameter and buffer of the model once, in model order, with the stages that use it (all
-        stages for a tensor that no stage holds)."""
-        stages_of: dict[int, set[int]] = {}
-        for index, part in enumerate(self._parts):
-            for tensor in [*part.parameters(), *part.buffers()]:
-                stages_of.setdefault(id(tensor), set()).add(index)
-        everyone = frozenset(range(self.stages))
-        unique = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-        return [(tensor, frozenset(stages_of.get(key, everyone))) for key, tensor in unique.items()]
-
-    def _materialize(self, model: nn.Module, tensors: list[tuple[torch.Tensor, frozenset[int]]],
-                     strides: list[tuple[int, ...]]) -> dict[int, torch.Tensor]:
-        """Replace the meta model's tensors by real ones on this rank's device (before the optimizer exists, so
-        new parameter objects are safe): this stage's with storage, the others' with none (recorded as released).
-        Returns id(meta tensor) -> its replacement, for the ones to receive."""
-        replacement: dict[int, torch.Tensor] = {}
-        received: dict[int, torch.Tensor] = {}
-        for (meta, stages), stride in zip(tensors, strides, strict=True):
-            real = torch.empty_strided(meta.shape, stride, dtype=meta.dtype, device=self.topology.device)
-            if isinstance(meta, nn.Parameter):
-                real = nn.Parameter(real, requires_grad=meta.requires_grad)
-                real.__dict__.update(meta.__dict__)  # attributes a Trial set on its parameters
-            if self.stage_index in stages:
-                received[id(meta)] = real
-            else:
-                self._released[id(real)] = real.untyped_storage().nbytes()
-                real.untyped_storage().resize_(0)
-            replacement[id(meta)] = real
-        for module in model.modules():
-            for registry in (module._parameters, module._buffers):
-                for name, tensor in list(registry.items()):
-                    if tensor is not None and id(tensor) in replacement:
-                        registry[name] = replacement[id(tensor)]  # type: ignore[assignment]
-        return received
 
     def _prepare_schedule(self, inputs: torch.Tensor) -> None:
         """Build the stage and its schedule for this microbatch shape (again when the batch size changes). The
@@ -531,25 +417,6 @@ class PipelineStrategy:
 _ACTIVATION_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                       torch.int16, torch.int8, torch.uint8, torch.bool)
 _MAX_DIMS = 8
-
-
-def _place(root: dict[str, Any], path: Sequence[str | int], value: Any) -> None:
-    """Put `value` at `path` in a nest of dicts (string keys) and lists (integer keys), creating what is missing:
-    the shape torch.distributed.checkpoint flattened a state dict from."""
-    node: Any = root
-    for key, following in zip(path[:-1], path[1:], strict=True):
-        if isinstance(node, list):
-            node.extend([None] * (int(key) + 1 - len(node)))
-            if node[int(key)] is None:
-                node[int(key)] = [] if isinstance(following, int) else {}
-            node = node[int(key)]
-        else:
-            node = node.setdefault(key, [] if isinstance(following, int) else {})
-    if isinstance(node, list):
-        node.extend([None] * (int(path[-1]) + 1 - len(node)))
-        node[int(path[-1])] = value
-    else:
-        node[path[-1]] = value
 
 
 def _send_activation(tensor: torch.Tensor, destination: int) -> list[tuple[Any, torch.Tensor]]:

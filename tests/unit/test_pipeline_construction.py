@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from dtrain.comm import Topology
-from dtrain.sync.pipeline import PipelineStrategy, cut_model
+from dtrain.sync.pipeline import cut_model
+from dtrain.sync.pipeline_state import materialize_stage, tensors_and_stages
 
 RANK_1 = Topology(rank=1, world_size=2, local_rank=1, local_world_size=2, node_rank=0, backend="gloo",
                   device=torch.device("cpu"), launcher="none")
@@ -26,22 +27,15 @@ class TiedConvNet(nn.Sequential):
         self.mirror.weight = shared.weight  # tied across the cut
 
 
-def _stage_1_rank() -> tuple[PipelineStrategy, nn.Module]:
-    strategy = object.__new__(PipelineStrategy)  # its constructor builds a device mesh
-    strategy.topology, strategy.stages, strategy.stage_index, strategy._released = RANK_1, 2, 1, {}
+def test_a_meta_rank_allocates_its_own_stage_only_with_rank_0s_strides() -> None:
     with torch.device("meta"):
         model = TiedConvNet()
-    strategy._model, strategy._parts = model, cut_model(model, 2, ["4"])
-    strategy._parts[0].add_module("mirror", model.mirror)  # the tied layer belongs to stage 0 as well
-    return strategy, model
-
-
-def test_a_meta_rank_allocates_its_own_stage_only_with_rank_0s_strides() -> None:
-    strategy, model = _stage_1_rank()
-    tensors = strategy._tensors_and_stages(model)
+    parts = cut_model(model, 2, ["4"])
+    parts[0].add_module("mirror", model.mirror)  # the tied layer belongs to stage 0 as well
+    tensors = tensors_and_stages(model, parts)
     channels_last = [torch.empty(t.shape).contiguous(memory_format=torch.channels_last).stride() if t.dim() == 4
                      else t.stride() for t, _ in tensors]
-    received = strategy._materialize(model, tensors, channels_last)
+    received, released_bytes = materialize_stage(model, tensors, channels_last, 1, RANK_1.device)
     conv, shared, head = model[0], model[4], model[5]
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     assert conv.weight.untyped_storage().nbytes() == 0 and model[1].running_mean.untyped_storage().nbytes() == 0
@@ -51,8 +45,8 @@ def test_a_meta_rank_allocates_its_own_stage_only_with_rank_0s_strides() -> None
     assert isinstance(shared.weight, nn.Parameter) and shared.weight.requires_grad
     assert {id(t) for t in received.values()} == {id(shared.weight), id(head.weight), id(head.bias)}
     released = {id(t) for t in [conv.weight, conv.bias, *model[1].parameters(), *model[1].buffers()]}
-    assert set(strategy._released) == released
-    conv.weight.untyped_storage().resize_(strategy._released[id(conv.weight)])  # what unwrap_model gives back
+    assert set(released_bytes) == released
+    conv.weight.untyped_storage().resize_(released_bytes[id(conv.weight)])  # what unwrap_model gives back
     assert conv.weight.untyped_storage().nbytes() == 4 * 3 * 3 * 3 * 4
 
 

@@ -10,7 +10,7 @@ import torch
 
 import dtrain.train.summary as summary
 from dtrain.errors import SyncError
-from dtrain.sync.pipeline import _place
+from dtrain.sync.pipeline_state import place
 
 
 def _model(value: float) -> torch.nn.Module:
@@ -54,9 +54,9 @@ def test_place_rebuilds_the_nest_a_checkpoint_was_flattened_from() -> None:
     """torch.distributed.checkpoint names a nested value by its path (string keys for dicts, integers for lists);
     the pipeline rebuilds the nest its optimizer state and param groups were written from."""
     root: dict[str, Any] = {}
-    _place(root, ("optim", "param_groups", 1, "lr"), 0.5)
-    _place(root, ("optim", "param_groups", 0, "params"), ["0.weight"])
-    _place(root, ("optim", "state", "0.weight", "momentum_buffer"), "buffer")
-    _place(root, ("optim", "param_groups", 0, "lr"), 0.1)
+    place(root, ("optim", "param_groups", 1, "lr"), 0.5)
+    place(root, ("optim", "param_groups", 0, "params"), ["0.weight"])
+    place(root, ("optim", "state", "0.weight", "momentum_buffer"), "buffer")
+    place(root, ("optim", "param_groups", 0, "lr"), 0.1)
     assert root == {"optim": {"param_groups": [{"params": ["0.weight"], "lr": 0.1}, {"lr": 0.5}],
                               "state": {"0.weight": {"momentum_buffer": "buffer"}}}}
