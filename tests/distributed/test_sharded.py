@@ -248,6 +248,8 @@ def _train_all(topology: Topology, root: str, cases: dict[str, dict[str, Any]], 
     recut = case("pipeline", pipeline={"stages": 2, "microbatches": 4, "schedule": "gpipe", "split_points": ["3"]})
     results["pipeline_recut"] = _interrupted_and_resumed(topology, Path(root) / "pipeline_recut",
                                                          CASES["pipeline_gpipe"], recut)
+    results["plain_into_pipeline"] = _interrupted_and_resumed(topology, Path(root) / "plain_into_pipeline",
+                                                              case("zero1"), CASES["pipeline_1f1b"])
     return results
 
 
@@ -309,6 +311,7 @@ def _interrupted_and_resumed(topology: Topology, run_dir: Path, raw: dict[str, A
     barrier()
     trainer = Trainer(config=first, trial_class=DigitsTrial, topology=topology, run_info=load_run_info(run_dir))
     assert trainer.fit()["status"] == "stopped"
+    resumed_from_shards = (run_dir / "checkpoints" / "sharded" / "step-2").is_dir()
     if topology.rank == 0:
         shutil.rmtree(run_dir / "checkpoints" / "step-3")
         (run_dir / "checkpoints" / "latest").write_text("step-2")
@@ -318,7 +321,8 @@ def _interrupted_and_resumed(topology: Topology, run_dir: Path, raw: dict[str, A
     trainer = Trainer(config=second, trial_class=DigitsTrial, topology=topology, run_info=load_run_info(run_dir))
     assert trainer.resumed and trainer.state.steps_completed == 2
     assert trainer.fit()["status"] == "completed"
-    result: dict[str, Any] = {"state": _whole(trainer.strategy.unwrap_model())}
+    result: dict[str, Any] = {"state": _whole(trainer.strategy.unwrap_model()),
+                              "resumed_from_shards": resumed_from_shards}
     if topology.rank == 0:  # the checkpoint's model.pt holds no weights: they are the ranks' shards
         from dtrain.commands.export import export_model
 
@@ -512,6 +516,16 @@ def test_a_pipeline_checkpoint_resumes_into_stages_cut_elsewhere(trained: list[d
     for rank in trained:
         uninterrupted = rank["pipeline_gpipe"]["state"]
         assert _relative(rank["pipeline_recut"]["state"], uninterrupted) < 1e-12
+
+
+def test_a_plain_checkpoint_resumes_into_pipeline_stages(trained: list[dict[str, Any]]) -> None:
+    """A plain checkpoint (a whole model.pt and one optimizer state keyed by index: what ZeRO-1 writes, and what
+    pipeline checkpoints were before they were written by stage) resumes into a pipeline, and the run ends where an
+    uninterrupted pipeline run does (1e-9, float64)."""
+    for rank in trained:
+        assert _relative(rank["plain_into_pipeline"]["state"], rank["pipeline_1f1b"]["state"]) < 1e-9
+    assert not trained[0]["plain_into_pipeline"]["resumed_from_shards"]  # step-2 was ZeRO-1's plain checkpoint
+    assert trained[0]["pipeline_resumed"]["resumed_from_shards"]
 
 
 @pytest.mark.parametrize("name", ["pipeline_gpipe", "pipeline_1f1b"])
