@@ -19,8 +19,8 @@ whole model; the next training step frees them again. Construction (ShardedConst
 Checkpoints (WritesShardedCheckpoint): each stage writes its own parameters, buffers and optimizer state through
 torch.distributed.checkpoint, under the whole model's names; `dtrain export` joins them into a plain model.pt (both
 in dtrain/sync/pipeline_state.py). The end-of-run replica check compares each stage with the same stage of the other
-replicas (HoldsModelParts). The stage shapes the schedule needs are found by the stages in turn (each runs its own part on a microbatch of
-the shape the previous stage announced), since no rank holds the other stages' weights.
+replicas (HoldsModelParts). The stage shapes the schedule needs are found by the stages in turn (each runs its own
+part on a microbatch of the shape the previous stage announced), since no rank holds the other stages' weights.
 """
 
 from __future__ import annotations
