@@ -69,6 +69,8 @@ bench: setup
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/horovod_accuracy.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/search.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/svm.py
+	flock /tmp/dtrain-bench.lock $(PY) benchmarks/svm.py --cache-mb 8 --exchanges shm --results-name svm_cache8
+	flock /tmp/dtrain-bench.lock $(PY) benchmarks/svm.py --cache-mb 32 --exchanges shm --results-name svm_cache32
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/determined_compat.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/model_scale.py --skip accuracy
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/model_scale.py --accuracy-only

@@ -68,9 +68,11 @@ def replicas_identical(model: nn.Module, part: int = 0) -> bool:
     holds and `part` which one (pipeline stages): ranks are compared with the ranks that hold the same part.
     SyncError when they differ."""
     digests = all_gather_object((part, model_digest(model)))
-    if any(len({digest for held, digest in digests if held == one}) > 1 for one, _ in digests):
-        parts = len({held for held, _ in digests}) > 1
-        groups = ", ".join(f"rank {rank}: {digest[:12]}" + (f" (part {held})" if parts else "")
+    by_part: dict[int, set[str]] = {}
+    for held, digest in digests:
+        by_part.setdefault(held, set()).add(digest)
+    if any(len(seen) > 1 for seen in by_part.values()):
+        groups = ", ".join(f"rank {rank}: {digest[:12]}" + (f" (part {held})" if len(by_part) > 1 else "")
                            for rank, (held, digest) in enumerate(digests))
         raise SyncError(f"the model replicas differ at the end of training ({groups}); a rank applied an update "
                         "the others did not - please report this with the run's logs")

@@ -304,8 +304,8 @@ def _interrupted_and_resumed(topology: Topology, run_dir: Path, raw: dict[str, A
     sys.path.insert(0, str(FIXTURES))
     from digits_trial import DigitsTrial
 
-    every = {**raw, "min_checkpoint_period": {"batches": 2}, "checkpoint_storage": {"save_trial_latest": 3}}
-    first = load_config(None, raw={**every, "faults": {"stop_after_batch": 3}}).config
+    every = {"min_checkpoint_period": {"batches": 2}, "checkpoint_storage": {"save_trial_latest": 3}}
+    first = load_config(None, raw={**raw, **every, "faults": {"stop_after_batch": 3}}).config
     if topology.rank == 0:
         prepare_run_dir(first, run_dir, FIXTURES)
     barrier()
@@ -316,8 +316,7 @@ def _interrupted_and_resumed(topology: Topology, run_dir: Path, raw: dict[str, A
         shutil.rmtree(run_dir / "checkpoints" / "step-3")
         (run_dir / "checkpoints" / "latest").write_text("step-2")
     barrier()
-    second = load_config(None, raw={**(resumed_raw or raw), "min_checkpoint_period": {"batches": 2},
-                                    "checkpoint_storage": {"save_trial_latest": 3}}).config
+    second = load_config(None, raw={**(resumed_raw or raw), **every}).config
     trainer = Trainer(config=second, trial_class=DigitsTrial, topology=topology, run_info=load_run_info(run_dir))
     assert trainer.resumed and trainer.state.steps_completed == 2
     assert trainer.fit()["status"] == "completed"

@@ -1,18 +1,14 @@
 """Per-stage construction of a pipeline (no processes): a rank that built the model on the meta device gets its own
 stage's tensors allocated with rank 0's strides, the other stages' with their shapes and no storage, and tied
-tensors stay tied."""
+tensors stay tied. And the buckets the replicas average a stage's gradients in."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from dtrain.comm import Topology
-from dtrain.sync.pipeline import cut_model
+from dtrain.sync.pipeline import cut_model, gradient_buckets
 from dtrain.sync.pipeline_state import materialize_stage, tensors_and_stages
-
-RANK_1 = Topology(rank=1, world_size=2, local_rank=1, local_world_size=2, node_rank=0, backend="gloo",
-                  device=torch.device("cpu"), launcher="none")
 
 
 class TiedConvNet(nn.Sequential):
@@ -35,7 +31,7 @@ def test_a_meta_rank_allocates_its_own_stage_only_with_rank_0s_strides() -> None
     tensors = tensors_and_stages(model, parts)
     channels_last = [torch.empty(t.shape).contiguous(memory_format=torch.channels_last).stride() if t.dim() == 4
                      else t.stride() for t, _ in tensors]
-    received, released_bytes = materialize_stage(model, tensors, channels_last, 1, RANK_1.device)
+    received, released_bytes = materialize_stage(model, tensors, channels_last, 1, torch.device("cpu"))
     conv, shared, head = model[0], model[4], model[5]
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     assert conv.weight.untyped_storage().nbytes() == 0 and model[1].running_mean.untyped_storage().nbytes() == 0
@@ -52,8 +48,6 @@ def test_a_meta_rank_allocates_its_own_stage_only_with_rank_0s_strides() -> None
 
 def test_gradients_are_averaged_in_buckets_of_one_dtype_within_the_limit() -> None:
     """The replicas' all-reduce copies one bucket at a time (not the whole stage's gradients)."""
-    from dtrain.sync.pipeline import gradient_buckets
-
     grads = [torch.zeros(10), torch.zeros(10), torch.zeros(30), torch.zeros(5, dtype=torch.float64),
              torch.zeros(5, dtype=torch.float64), torch.zeros(2)]
     sizes = [[g.numel() for g in bucket] for bucket in gradient_buckets(grads, 80)]
