@@ -13,7 +13,8 @@ accuracy against fp32 on the Fashion-MNIST demo.
    group) after start-up, limited to `--cap-gb` between FSDP2's need and DDP's; the kernel's OOM killer ends a
    worker past it. DDP must fail to train, FSDP2 must train; the pipeline's result is reported. Without root the
    part is skipped with the reason.
-3. Pipeline (2 processes, p = 2, wide MLP width 1024, batch 256, 1 thread each, `dtrain run`'s malloc settings):
+3. Pipeline (2 processes, p = 2, wide MLP width 1024, batch 256 or `--pipeline-batch`, 1 thread each, `dtrain
+   run`'s malloc settings):
    measured T = dtrain's pipeline strategy (GPipe and 1F1B) on the batch; ideal T_ideal = m x the time per stage
    of one microbatch from a 1-stage run, as the reference defines it: the whole model in one of the same
    processes through the same schedule's order over the m microbatches (gradients accumulating), run by both
@@ -584,9 +585,15 @@ def main() -> None:
                         help="only part 5, into results/model_scale_accuracy.json/.md (so the long accuracy runs "
                              "can take the benchmark lock on their own)")
     parser.add_argument("--results-name", help="results file name (default model_scale, or model_scale_accuracy)")
+    parser.add_argument("--pipeline-batch", type=int, default=PIPELINE_BATCH,
+                        help=f"pipeline part: rows per step, split into m = 2, 4, 8 microbatches (default "
+                             f"{PIPELINE_BATCH}; a multiple of 8)")
     parser.add_argument("--skip", action="append", default=[], choices=["memory", "cap", "pipeline", "precision",
                                                                          "accuracy"], help="leave a part out")
     args = parser.parse_args()
+    if args.pipeline_batch <= 0 or args.pipeline_batch % 8:
+        parser.error(f"--pipeline-batch {args.pipeline_batch}: must be a positive multiple of 8 (it is split into "
+                     "2, 4 and 8 equal microbatches); try 256 or 1024")
     rounds = args.rounds or (2 if args.quick else 3)
     log = lambda text: print(f"model_scale: {text}", flush=True)  # noqa: E731
     rows: list[dict[str, Any]] = []
@@ -628,8 +635,8 @@ def main() -> None:
         headline["memory_cap_pipeline_peak_gb"] = max(found[2]["max_usage_bytes_per_rank"]) / GB
 
     def pipeline() -> None:
-        found, found_headline = pipeline_rows([2, 4, 8], ["gpipe", "1f1b"], rounds, PIPELINE_BATCH, PIPELINE_WIDTH,
-                                              log)
+        found, found_headline = pipeline_rows([2, 4, 8], ["gpipe", "1f1b"], rounds, args.pipeline_batch,
+                                              PIPELINE_WIDTH, log)
         rows.extend(found)
         headline.update(found_headline)
 
@@ -658,7 +665,7 @@ def main() -> None:
     name = args.results_name or ("model_scale_accuracy" if args.accuracy_only else "model_scale")
     path = write_results(name, headline, rows, markdown, machine_info(),
                          extra={"settings": {"quick": args.quick, "rounds": rounds, "width": WIDTH, "blocks": BLOCKS,
-                                             "cap_gb": args.cap_gb, "pipeline_batch": PIPELINE_BATCH,
+                                             "cap_gb": args.cap_gb, "pipeline_batch": args.pipeline_batch,
                                              "pipeline_width": PIPELINE_WIDTH, "pipeline_malloc": dtrain_run_malloc()}})
     print(markdown)
     print(f"model_scale: wrote {path}")
@@ -687,7 +694,8 @@ def _markdown(headline: dict[str, Any], rows: list[dict[str, Any]], args: argpar
                                   for r in capped])]
     pipe = [r for r in rows if r["part"] == "pipeline"]
     if pipe:
-        lines += ["", "Pipeline efficiency T_ideal / T (p = 2, wide MLP width 1024, batch 256, 1 thread per process, "
+        lines += ["", f"Pipeline efficiency T_ideal / T (p = 2, wide MLP width {PIPELINE_WIDTH}, "
+                  f"batch {args.pipeline_batch}, 1 thread per process, "
                   "dtrain run's malloc settings), medians of the per-round ratios. Headline T_ideal: "
                   f"{IDEALS['']}. Beside it: alone = {IDEALS['alone_ideal']}; "
                   f"isolated microbatch = {IDEALS['isolated_microbatch_ideal']}; "
