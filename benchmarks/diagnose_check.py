@@ -5,12 +5,13 @@ makes it communication-heavy on a 1 Gbit/s link; `load_delay_ms` makes its data 
 worker.
 
 1. Communication (needs root: a network namespace whose loopback tbf shapes to 1 Gbit/s, benchmarks/netem.py).
-   Alternating, `--rounds` times: `dtrain diagnose` (its communication overhead comes from the phase timers of
-   a trial as configured against one with aggregation_frequency 1000), then a direct measurement that shares
-   no code with dtrain: a plain DDP loop under torchrun on the same model and batches, alternating blocks of
-   steps with and without `no_sync()`; overhead = 1 - (median unsynced step) / (median synced step), the
-   median over the pairs of neighbouring blocks (`--comm-blocks`, 12), so that a slow spell of the machine is
-   shared by both sides; the diagnosis runs `--comm-steps` (80) batches per trial.
+   Alternating, `--rounds` times: `dtrain diagnose --repeats N` (its communication overhead comes from the phase
+   timers of a trial as configured against one with aggregation_frequency 1000; each trial runs N times, in
+   alternating order, and the median of the repeats is its figure; `--diagnose-repeats`, default 2), then a
+   direct measurement that shares no code with dtrain: a plain DDP loop under torchrun on the same model and
+   batches, alternating blocks of steps with and without `no_sync()`; overhead = 1 - (median unsynced step) /
+   (median synced step), the median over the pairs of neighbouring blocks (`--comm-blocks`, 12), so that a slow
+   spell of the machine is shared by both sides; the diagnosis runs `--comm-steps` (80) batches per trial.
    Headline `comm_overhead_error_points`: |diagnosed - direct| in percentage points, paired within each round;
    the median of the rounds, with `comm_overhead_error_points_per_round` and `_max` (target: every round <= 10).
 2. Input pipeline (loopback): `dtrain diagnose` on the same workload with `load_delay_ms` per batch, swept
@@ -144,10 +145,10 @@ def direct_overhead(ns: Any, blocks: int, block_steps: int, workdir: Path) -> di
 # ------------------------------------------------------------------------------------ diagnose
 
 
-def diagnose(wrap: Any, steps: int, out: Path, overrides: list[str]) -> dict[str, Any]:
+def diagnose(wrap: Any, steps: int, out: Path, overrides: list[str], repeats: int = 1) -> dict[str, Any]:
     """`dtrain diagnose` on the workload (inside the namespace when `wrap` is one); its diagnosis.json."""
     command = [sys.executable, "-m", "dtrain.cli", "diagnose", str(WORKLOAD), "--steps", str(steps),
-               "--out", str(out), "--json"]
+               "--repeats", str(repeats), "--out", str(out), "--json"]
     for override in overrides:
         command += ["--set", override]
     env = {**os.environ, "DTRAIN_RUNS_ROOT": str(out / "runs")}
@@ -159,8 +160,8 @@ def diagnose(wrap: Any, steps: int, out: Path, overrides: list[str]) -> dict[str
     return diagnosis
 
 
-def communication_part(rounds: int, steps: int, blocks: int, block_steps: int,
-                       workdir: Path) -> tuple[list[dict[str, Any]], str, Path | None]:
+def communication_part(rounds: int, steps: int, blocks: int, block_steps: int, workdir: Path,
+                       repeats: int) -> tuple[list[dict[str, Any]], str, Path | None]:
     from netem import measure_loopback_gbit_per_s, shaped_namespace
 
     rows: list[dict[str, Any]] = []
@@ -177,8 +178,11 @@ def communication_part(rounds: int, steps: int, blocks: int, block_steps: int,
                 if what == "direct":
                     row["direct"] = direct_overhead(ns, blocks, block_steps, workdir)
                 else:
-                    found = diagnose(ns.wrap, steps, workdir / f"comm-{repeat}", [])
+                    found = diagnose(ns.wrap, steps, workdir / f"comm-{repeat}", [], repeats)
                     row["diagnosed_percent"] = found["communication_overhead_percent"]
+                    row["diagnose_repeats"] = repeats
+                    row["diagnosed_percent_per_repeat"] = found.get("communication_overhead_percent_per_repeat",
+                                                                    [found["communication_overhead_percent"]])
                     row["exposed_wait_percent"] = found["exposed_communication_wait_percent"]
                     row["scaling_efficiency_percent"] = found.get("scaling_efficiency_percent")
                     row["bottleneck"] = found["bottleneck"]
@@ -346,6 +350,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="batches per input-pipeline diagnosis (default 40)")
     parser.add_argument("--comm-steps", type=int, default=80,
                         help="batches per communication diagnosis at 1 Gbit/s (default 80)")
+    parser.add_argument("--diagnose-repeats", type=int, default=2,
+                        help="`dtrain diagnose --repeats` in the communication part: its trials run this many times "
+                             "in alternating order, as the direct measurement alternates its blocks (default 2; 1, "
+                             "a single run of each trial, is what results up to 90c4ff7 measured)")
     parser.add_argument("--comm-blocks", type=int, default=12,
                         help="pairs of 10-step synced/unsynced blocks of the direct measurement (default 12)")
     parser.add_argument("--timer-rounds", type=int, default=4,
@@ -359,6 +367,8 @@ def main() -> None:
     parser.add_argument("--block-steps", type=int, default=10, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.diagnose_repeats < 1:
+        parser.error(f"--diagnose-repeats {args.diagnose_repeats}: each trial runs at least once; use 1 or more")
     if args.direct_worker:
         direct_worker(args.blocks, args.block_steps, args.out)
         return
@@ -384,14 +394,16 @@ def main() -> None:
             headline["comm_skipped_because"] = reason
         else:
             comm_rows, network, chart = communication_part(rounds, 12 if args.quick else args.comm_steps,
-                                                          2 if args.quick else args.comm_blocks, 10, workdir)
+                                                          2 if args.quick else args.comm_blocks, 10, workdir,
+                                                          args.diagnose_repeats)
             rows += comm_rows
             errors = [abs(r["diagnosed_percent"] - r["direct_percent"]) for r in comm_rows]
             headline.update(comm_overhead_error_points=statistics.median(errors),
                             comm_overhead_error_points_per_round=errors,
                             comm_overhead_error_points_max=max(errors),
                             comm_overhead_diagnosed_per_round=[r["diagnosed_percent"] for r in comm_rows],
-                            comm_overhead_direct_per_round=[r["direct_percent"] for r in comm_rows])
+                            comm_overhead_direct_per_round=[r["direct_percent"] for r in comm_rows],
+                            diagnose_repeats=args.diagnose_repeats)
             if chart is not None and chart.is_file():
                 RESULTS.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(chart, RESULTS / "diagnose_chart.png")
@@ -434,9 +446,11 @@ def main() -> None:
              "## Headline", "", markdown_table(["key", "value"], [[k, v] for k, v in headline.items()]), ""]
     if comm:
         lines += ["## Communication overhead at 1 Gbit/s (percent of the step)", "",
-                  markdown_table(["round", "diagnosed", "direct (plain DDP)", "DDP synced ms", "DDP unsynced ms",
-                                  "exposed wait", "scaling efficiency"],
-                                 [[r["repeat"], r["diagnosed_percent"], r["direct_percent"], r["direct"]["synced_ms"],
+                  markdown_table(["round", "diagnosed", "diagnosed per repeat", "direct (plain DDP)",
+                                  "DDP synced ms", "DDP unsynced ms", "exposed wait", "scaling efficiency"],
+                                 [[r["repeat"], r["diagnosed_percent"],
+                                   ", ".join(f"{v:.1f}" for v in r["diagnosed_percent_per_repeat"]),
+                                   r["direct_percent"], r["direct"]["synced_ms"],
                                    r["direct"]["unsynced_ms"], r["exposed_wait_percent"],
                                    r["scaling_efficiency_percent"]] for r in comm]),
                   "", f"The last round's diagnosis (its chart is `diagnose_chart.png`; step "

@@ -82,10 +82,52 @@ def analyse(config: ExperimentConfig, profiles: Mapping[str, Mapping[str, Any]])
                               "others_wait_percent": percent(lag, pace),
                               "repeated_slower_percent": percent(repeated, typical),
                               "confirmed": world > 1 and repeated >= CONFIRMED_SHARE * lag}
+    return _conclude(config, result)
+
+
+def _conclude(config: ExperimentConfig, result: dict[str, Any]) -> dict[str, Any]:
+    """Add the findings, advice, bottleneck and verdict that `result`'s figures lead to."""
     result["findings"], result["advice"] = _findings(config, result)
     result["bottleneck"] = result["findings"][0]["name"] if result["findings"] else "compute"
     result["verdict"] = verdict_lines(result)
     return result
+
+
+COMBINED_FIGURES = ("step_ms", "samples_per_second", "communication_overhead_percent",
+                    "exposed_communication_wait_percent", "input_overhead_percent", "all_gather_wait_percent",
+                    "reduce_scatter_wait_percent", "pipeline_bubble_percent", "scaling_efficiency_percent",
+                    "one_slot_samples_per_second")
+SLOWEST_RANK_FIGURES = ("compute_ms", "slower_than_others_percent", "others_wait_percent", "repeated_slower_percent")
+
+
+def combine(config: ExperimentConfig, repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    """One diagnosis from several repeats of the trials (each an `analyse` result): every figure is the median of
+    its per-repeat values, which stand beside it as `<figure>_per_repeat`. Each repeat compares trials run one
+    after the other, so a slow spell of a shared machine falls on both sides of that comparison; the median over
+    repeats is the house statistic for paired measurements. The slowest rank is the one most repeats name (ties
+    to the lower rank), with the medians of its figures over the repeats that name it, confirmed when a majority
+    of all repeats confirms it."""
+    if not repeats:
+        raise ValueError("combine needs at least one repeat")
+    if len(repeats) == 1:
+        return repeats[0]
+    result: dict[str, Any] = {"world_size": repeats[0]["world_size"],
+                              "global_batch_size": repeats[0]["global_batch_size"], "repeats": len(repeats)}
+    for key in COMBINED_FIGURES:
+        values = [float(r[key]) for r in repeats if key in r]
+        if len(values) == len(repeats):
+            result[key] = statistics.median(values)
+            result[f"{key}_per_repeat"] = values
+    result["rank_compute_ms"] = [statistics.median(r["rank_compute_ms"][i] for r in repeats)
+                                 for i in range(len(repeats[0]["rank_compute_ms"]))]
+    named = [r["slowest_rank"]["rank"] for r in repeats]
+    slowest = max(sorted(set(named)), key=named.count)  # max keeps the first (lowest) rank among equal counts
+    naming = [r["slowest_rank"] for r in repeats if r["slowest_rank"]["rank"] == slowest]
+    result["slowest_rank"] = {"rank": slowest,
+                              **{key: statistics.median(s[key] for s in naming) for key in SLOWEST_RANK_FIGURES},
+                              "confirmed": 2 * sum(bool(s["confirmed"]) for s in naming) > len(repeats),
+                              "named_in_repeats": len(naming)}
+    return _conclude(config, result)
 
 
 def _lag_behind_others(ranks: list[Mapping[str, Any]], who: int, phases: tuple[str, ...]) -> float:
@@ -153,6 +195,10 @@ def verdict_lines(d: Mapping[str, Any]) -> list[str]:
              f"communication overhead {d['communication_overhead_percent']:.1f}% of the step "
              f"(exposed wait {d['exposed_communication_wait_percent']:.1f}%)",
              f"input-pipeline overhead {d['input_overhead_percent']:.1f}%"]
+    if d.get("repeats", 1) > 1:
+        per_repeat = ", ".join(f"{value:.1f}" for value in d["communication_overhead_percent_per_repeat"])
+        lines.append(f"medians of {d['repeats']} repeats of the trials (communication overhead per repeat: "
+                     f"{per_repeat}%)")
     waits = [f"{label} {d[key]:.1f}%" for key, label in (("all_gather_wait_percent", "FSDP all-gather"),
                                                           ("reduce_scatter_wait_percent", "FSDP reduce-scatter"),
                                                           ("pipeline_bubble_percent", "pipeline bubble")) if key in d]

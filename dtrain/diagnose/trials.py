@@ -63,6 +63,18 @@ def trial_plans(config: ExperimentConfig, steps: int) -> list[TrialPlan]:
     return plans
 
 
+def trial_runs(plans: list[TrialPlan], repeats: int) -> list[tuple[int, TrialPlan]]:
+    """(repeat, plan) in running order: the plans forward in even repeats and backward in odd ones, so that over
+    two repeats every trial has run as early and as late as the configured one it is compared with."""
+    return [(repeat, plan) for repeat in range(repeats)
+            for plan in (plans if repeat % 2 == 0 else list(reversed(plans)))]
+
+
+def trial_dir(name: str, repeat: int, repeats: int) -> str:
+    """A trial's run dir under the diagnosis dir: its name, with the repeat's number when there are several."""
+    return name if repeats == 1 else f"{name}-{repeat + 1}"
+
+
 def _rank_zero_only(config: ExperimentConfig) -> list[str]:
     """Overrides for a one-worker trial: its only worker is rank 0, so faults aimed at other ranks and parameter
     server backup workers go (a config that names a rank or a backup the trial lacks is refused)."""

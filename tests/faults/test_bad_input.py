@@ -123,6 +123,8 @@ CLI_CASES: dict[str, tuple[list[str], str]] = {
     "unknown-command": (["train", "{config}"], "invalid choice: 'train'"),
     "diagnose-too-few-steps": (["diagnose", "{config}", "--steps", "3", "--out", "{tmp}/diagnosis"],
                                "--steps 3 is too short to time"),
+    "diagnose-no-repeats": (["diagnose", "{config}", "--repeats", "0", "--out", "{tmp}/diagnosis"],
+                            "--repeats 0: the trials run at least once"),
 }
 
 

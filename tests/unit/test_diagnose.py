@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from dtrain.config import ExperimentConfig, check_buildable, load_config
-from dtrain.diagnose.analysis import BOTTLENECK_PERCENT, analyse, verdict_lines
-from dtrain.diagnose.trials import NO_COMMUNICATION_K, trial_plans
+from dtrain.diagnose.analysis import BOTTLENECK_PERCENT, analyse, combine, verdict_lines
+from dtrain.diagnose.trials import NO_COMMUNICATION_K, trial_dir, trial_plans, trial_runs
 from tests.conftest import FIXTURES
 
 CONFIG = FIXTURES / "digits.yaml"  # 2 slots, global batch 64
@@ -290,3 +290,62 @@ def test_a_pipeline_run_reports_its_bubble_and_fsdp_its_collectives_from_the_mea
     assert found["all_gather_wait_percent"] == pytest.approx(15.0)
     assert found["reduce_scatter_wait_percent"] == pytest.approx(5.0)
     assert "pipeline_bubble_percent" not in found
+
+
+# ---------------------------------------------------------------------------------------------- repeats
+
+
+def test_repeats_run_the_trials_forward_then_backward_each_in_its_own_dir() -> None:
+    plans = trial_plans(load(), steps=8)
+    names = [plan.name for plan in plans]
+    assert [(repeat, plan.name) for repeat, plan in trial_runs(plans, 1)] == [(0, name) for name in names]
+    assert [(repeat, plan.name) for repeat, plan in trial_runs(plans, 3)] == [
+        *[(0, name) for name in names], *[(1, name) for name in reversed(names)], *[(2, name) for name in names]]
+    assert trial_dir("configured", 0, 1) == "configured"  # one repeat: the dirs of a plain diagnosis
+    assert [trial_dir("one_slot", repeat, 2) for repeat in range(2)] == ["one_slot-1", "one_slot-2"]
+
+
+def comm_bound(comm_wait: float, slow_rank: int | None = None, slow_in_synthetic: bool = True) -> dict[str, Any]:
+    """One repeat's analysis: 0.06 s of compute per step plus `comm_wait`; `slow_rank` computes 0.03 s longer."""
+    def ranks(slow: bool) -> list[dict[str, Any]]:
+        return [rank(0.01, 0.02, 0.03 + (0.03 if slow and r == slow_rank else 0.0), comm_wait=comm_wait)
+                for r in range(2)]
+    return analyse(load(), profiles(configured=ranks(True), no_communication=[rank(0.01, 0.02, 0.03)] * 2,
+                                    synthetic_data=ranks(slow_in_synthetic),
+                                    one_slot=[rank(0.01, 0.02, 0.03)]))
+
+
+def test_a_single_repeat_is_the_diagnosis_itself() -> None:
+    alone = comm_bound(0.04)
+    assert combine(load(), [alone]) is alone
+    with pytest.raises(ValueError):
+        combine(load(), [])
+
+
+def test_repeats_combine_into_medians_with_every_repeat_beside_them() -> None:
+    repeats = [comm_bound(wait) for wait in (0.04, 0.01, 0.09)]
+    result = combine(load(), repeats)
+    # figures computed here from the waits: pace = 0.06 + wait, communication overhead = wait / pace
+    per_repeat = [100 * wait / (0.06 + wait) for wait in (0.04, 0.01, 0.09)]
+    assert result["communication_overhead_percent_per_repeat"] == pytest.approx(per_repeat, abs=1e-9)
+    assert result["communication_overhead_percent"] == pytest.approx(100 * 0.04 / 0.10, abs=1e-9)  # the median
+    assert result["step_ms"] == pytest.approx(100.0, abs=1e-9)
+    assert result["samples_per_second_per_repeat"] == pytest.approx([64 / 0.10, 64 / 0.07, 64 / 0.15], rel=1e-12)
+    assert result["scaling_efficiency_percent"] == pytest.approx(100 * 0.06 / 0.10, abs=1e-9)
+    assert result["repeats"] == 3 and result["bottleneck"] == "communication"
+    assert result["verdict"][0] == "bottleneck: communication (40% of the step)"
+    assert result["verdict"][3] == "medians of 3 repeats of the trials (communication overhead per repeat: " \
+                                   "40.0, 14.3, 60.0%)"
+    assert "pipeline_bubble_percent" not in result  # only figures every repeat has
+
+
+def test_the_slowest_rank_is_the_one_most_repeats_name_and_confirmed_by_a_majority() -> None:
+    named_twice = [comm_bound(0.02, slow_rank=1), comm_bound(0.02, slow_rank=0), comm_bound(0.02, slow_rank=1)]
+    slow = combine(load(), named_twice)["slowest_rank"]
+    assert (slow["rank"], slow["named_in_repeats"], slow["confirmed"]) == (1, 2, True)
+    assert slow["compute_ms"] == pytest.approx(90.0, abs=1e-9)  # 0.06 + 0.03 s, in both repeats naming rank 1
+    # rank 1 named and confirmed in one repeat of three, slow in the configured trial only in another
+    once = [comm_bound(0.02, slow_rank=1), comm_bound(0.02, slow_rank=1, slow_in_synthetic=False),
+            comm_bound(0.02, slow_rank=0, slow_in_synthetic=False)]
+    slow = combine(load(), once)["slowest_rank"]
+    assert (slow["rank"], slow["named_in_repeats"], slow["confirmed"]) == (1, 2, False)
