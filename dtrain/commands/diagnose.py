@@ -82,13 +82,12 @@ def run_diagnose(args: argparse.Namespace) -> int:
                                        "run_dir": str(out / trial_dir(plan.name, 0, args.repeats)),
                                        "profile": profiles[0][plan.name]}
                            for plan in plans}
+    title = f"{config.name}: median phase times per step, per rank"
     if args.repeats > 1:
         for plan in plans:
             diagnosis["trials"][plan.name]["repeats"] = [
                 {"run_dir": str(out / trial_dir(plan.name, repeat, args.repeats)), "profile": found[plan.name]}
                 for repeat, found in enumerate(profiles)]
-    title = f"{config.name}: median phase times per step, per rank"
-    if args.repeats > 1:
         title += f" (repeat 1 of {args.repeats})"
     chart = write_phase_chart(profiles[0], [p.name for p in plans], out / "diagnosis.png", title=title)
     diagnosis["chart"] = str(chart)
@@ -96,9 +95,9 @@ def run_diagnose(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(diagnosis, indent=2))
         return ExitCode.OK
-    repeats = f", {args.repeats} repeats" if args.repeats > 1 else ""
+    repeated = f", {args.repeats} repeats" if args.repeats > 1 else ""
     lines = [f"dtrain diagnose: {config.name} on {config.resources.world_size} slot(s), {args.steps} batches per "
-             f"trial{repeats}",
+             f"trial{repeated}",
              *(f"  {line}" for line in diagnosis["verdict"])]
     lines += [f"  advice: {advice}" for advice in diagnosis["advice"]]
     lines += [f"  written: {out / 'diagnosis.json'}, {chart}"]
