@@ -317,7 +317,14 @@ def _oom_kills(group: Path) -> int | None:
 # ------------------------------------------------------------------------------------------- 3. pipeline
 
 
-def _pipeline(topology: Any, microbatches: list[int], schedules: list[str], rounds: int, batch: int,
+def _variant(name: str) -> tuple[str, str]:
+    """A pipeline variant's schedule and receives: `gpipe`, `1f1b` (torch's order: receives on demand) or the same
+    with `_ahead` (distributed.pipeline.receives: ahead)."""
+    schedule, _, ahead = name.partition("_")
+    return schedule, "ahead" if ahead else "on_demand"
+
+
+def _pipeline(topology: Any, microbatches: list[int], variants: list[str], rounds: int, batch: int,
               width: int) -> dict[str, Any]:
     """Per round, in alternating order: the 1-stage run (rank 0 alone, rank 1 waiting in a barrier: the whole
     model's forward+backward in one process on the whole batch and on one microbatch of each size, and each stage
@@ -334,11 +341,13 @@ def _pipeline(topology: Any, microbatches: list[int], schedules: list[str], roun
     inputs, labels = torch.randn(batch, INPUTS), torch.randint(0, CLASSES, (batch,))
     trial, phases = _PipelineTrial(), _NoPhases()
     strategies = {}
-    for schedule in schedules:
+    for variant in variants:
+        schedule, receives = _variant(variant)
         for m in microbatches:
             model = build_wide_mlp(INPUTS, width, BLOCKS, CLASSES)
-            strategy = PipelineStrategy(topology, stages=2, microbatches=m, schedule=schedule)
-            strategies[f"{schedule}_m{m}"] = (strategy, strategy.wrap_model(model))
+            strategy = PipelineStrategy(topology, stages=2, microbatches=m, schedule=schedule, receives=receives)
+            strategies[f"{variant}_m{m}"] = (strategy, strategy.wrap_model(model))
+    schedules = sorted({_variant(variant)[0] for variant in variants})
     reference = build_wide_mlp(INPUTS, width, BLOCKS, CLASSES)
     first, last = cut_model(reference, 2, [])  # the same cut as the strategy's (equal runs of children)
 
@@ -409,8 +418,8 @@ def _pipeline(topology: Any, microbatches: list[int], schedules: list[str], roun
                 out.setdefault(f"one_stage_both_{schedule}_m{m}", []).append(
                     median_of_3(one_stage_schedule(m, schedule), True))
 
-    def piped() -> None:
-        for key, (strategy, model) in strategies.items():
+    def piped(backwards: bool) -> None:
+        for key, (strategy, model) in reversed(strategies.items()) if backwards else strategies.items():
             def step(strategy: Any = strategy, model: Any = model) -> None:
                 strategy.forward_backward(model, (inputs, labels), trial.train_batch, loss_scale=1.0,
                                           communicate=True, phases=phases)
@@ -418,7 +427,8 @@ def _pipeline(topology: Any, microbatches: list[int], schedules: list[str], roun
             out.setdefault(key, []).append(median_of_3(step, True))
 
     for round_ in range(rounds):
-        for run in ((alone, together, piped) if round_ % 2 == 0 else (piped, together, alone)):
+        forward = round_ % 2 == 0  # odd rounds run everything in the reverse order
+        for run in ((alone, together, lambda: piped(False)) if forward else (lambda: piped(True), together, alone)):
             run()
     return {"threads": torch.get_num_threads(), "times": out}
 
@@ -443,7 +453,7 @@ IDEALS = {  # name -> (what T_ideal is, for the results)
 }
 
 
-def pipeline_rows(microbatches: list[int], schedules: list[str], rounds: int, batch: int, width: int,
+def pipeline_rows(microbatches: list[int], variants: list[str], rounds: int, batch: int, width: int,
                   log: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Efficiency = T_ideal / T per round, for the four ideals of IDEALS. The headline's is the reference's "time
     per stage from a 1-stage run", measured with both processes computing at once: what the pipeline's stages do
@@ -453,30 +463,32 @@ def pipeline_rows(microbatches: list[int], schedules: list[str], rounds: int, ba
     from dtrain.plan.memory import pipeline_efficiency
 
     stages = 2
-    log(f"pipeline: p={stages}, m={microbatches}, {'/'.join(schedules)}, batch {batch}, width {width}, "
+    log(f"pipeline: p={stages}, m={microbatches}, {'/'.join(variants)}, batch {batch}, width {width}, "
         f"{rounds} rounds ...")
-    ranks = spawn(_pipeline, 2, microbatches, schedules, rounds, batch, width, timeout=1200, env=dtrain_run_malloc())
+    ranks = spawn(_pipeline, 2, microbatches, variants, rounds, batch, width, timeout=1200, env=dtrain_run_malloc())
     if any("error" in r for r in ranks):
         raise RuntimeError(f"pipeline: {ranks}")
     times = ranks[0]["times"]
     rows: list[dict[str, Any]] = []
     headline: dict[str, Any] = {}
     errors: dict[str, list[float]] = {}
-    for schedule in schedules:
+    for variant in variants:
+        schedule, receives = _variant(variant)
         for m in microbatches:
             rows_per_micro = batch // m
-            measured = times[f"{schedule}_m{m}"]
+            measured = times[f"{variant}_m{m}"]
             ideals = {"": [t / stages for t in times[f"one_stage_both_{schedule}_m{m}"]],
                       "alone_ideal": [t / stages for t in times[f"one_stage_{schedule}_m{m}"]],
                       "isolated_microbatch_ideal": [m * t / stages for t in times[f"whole_b{rows_per_micro}"]],
                       "whole_batch_ideal": [t / stages for t in times[f"whole_b{batch}"]]}
             formula = pipeline_efficiency(stages, m)
-            row: dict[str, Any] = {"part": "pipeline", "schedule": schedule, "microbatches": m, "stages": stages,
+            row: dict[str, Any] = {"part": "pipeline", "schedule": schedule, "receives": receives,
+                                   "microbatches": m, "stages": stages,
                                    "microbatch_rows": rows_per_micro, "formula": formula,
                                    "pipeline_seconds": measured}
             for ideal, seconds in ideals.items():
-                key = "_".join(part for part in ("pipeline_efficiency", ideal, "" if schedule == "gpipe" else schedule,
-                                                 f"m{m}") if part)
+                key = "_".join(part for part in ("pipeline_efficiency", ideal, variant.removeprefix("gpipe"),
+                                                 f"m{m}") if part).replace("__", "_")
                 ratio = ratio_headline(key, seconds, measured)
                 headline[key] = ratio[key]
                 headline[f"{key}_per_round"] = ratio[f"{key}_per_round"]
@@ -487,20 +499,26 @@ def pipeline_rows(microbatches: list[int], schedules: list[str], rounds: int, ba
                 row[f"{name}_per_round" if not ideal else f"efficiency_{ideal}_per_round"] = ratio[f"{key}_per_round"]
                 row["ideal_seconds" if not ideal else f"{ideal}_seconds"] = seconds
                 row["error" if not ideal else f"error_{ideal}"] = abs(ratio[key] - formula)
-                errors.setdefault("_".join(part for part in (schedule, ideal) if part), []).append(
+                errors.setdefault("_".join(part for part in (variant, ideal) if part), []).append(
                     abs(ratio[key] - formula))
             stage0, stage1 = times[f"stage0_b{rows_per_micro}"], times[f"stage1_b{rows_per_micro}"]
             row.update(stage0_seconds=stage0, stage1_seconds=stage1,
                        stage_balance=median([b / a for a, b in zip(stage0, stage1, strict=True)]))
+            if receives == "ahead" and f"{schedule}_m{m}" in times:  # paired with torch's order, round by round
+                key = f"receives_ahead_speedup_{schedule}_m{m}"
+                speedup = ratio_headline(key, times[f"{schedule}_m{m}"], measured)
+                headline.update(speedup)
+                row["speedup_over_on_demand"] = speedup[key]
             rows.append(row)
-            log(f"  {schedule} m={m}: efficiency {row['efficiency']:.3f} (formula {formula:.3f}); with the 1-stage "
+            log(f"  {variant} m={m}: efficiency {row['efficiency']:.3f} (formula {formula:.3f}); with the 1-stage "
                 f"run alone {row['efficiency_alone_ideal']:.3f}, the isolated "
                 f"microbatch ideal {row['efficiency_isolated_microbatch_ideal']:.3f}, the whole-batch ideal "
                 f"{row['efficiency_whole_batch_ideal']:.3f}; stage 1 / stage 0 time {row['stage_balance']:.2f}")
-    headline["pipeline_efficiency_error_max"] = max(errors["gpipe"])
-    headline["pipeline_efficiency_error_max_per_round"] = [
-        max(abs(headline[f"pipeline_efficiency_m{m}_per_round"][r] - pipeline_efficiency(stages, m))
-            for m in microbatches) for r in range(rounds)]
+    if "gpipe" in errors:  # torch's GPipe order (receives on demand), the headline
+        headline["pipeline_efficiency_error_max"] = max(errors["gpipe"])
+        headline["pipeline_efficiency_error_max_per_round"] = [
+            max(abs(headline[f"pipeline_efficiency_m{m}_per_round"][r] - pipeline_efficiency(stages, m))
+                for m in microbatches) for r in range(rounds)]
     for key, values in errors.items():
         if key != "gpipe":
             headline[f"pipeline_efficiency_error_max_{key}"] = max(values)
@@ -588,9 +606,18 @@ def main() -> None:
     parser.add_argument("--pipeline-batch", type=int, default=PIPELINE_BATCH,
                         help=f"pipeline part: rows per step, split into m = 2, 4, 8 microbatches (default "
                              f"{PIPELINE_BATCH}; a multiple of 8)")
+    parser.add_argument("--pipeline-receives", type=lambda text: text.split(","), default=["on_demand"],
+                        help="pipeline part: comma-separated distributed.pipeline.receives settings to measure, "
+                             "each with both schedules in the same rounds: on_demand (torch's order, the default), "
+                             "ahead (every receive of a step posted when it starts); with both, "
+                             "receives_ahead_speedup_<schedule>_m<m> is T(on_demand) / T(ahead) paired per round")
     parser.add_argument("--skip", action="append", default=[], choices=["memory", "cap", "pipeline", "precision",
                                                                          "accuracy"], help="leave a part out")
     args = parser.parse_args()
+    unknown = [r for r in args.pipeline_receives if r not in ("on_demand", "ahead")]
+    if unknown or len(set(args.pipeline_receives)) != len(args.pipeline_receives):
+        parser.error(f"--pipeline-receives {','.join(args.pipeline_receives)}: each of on_demand and ahead at most "
+                     "once, comma-separated; try on_demand,ahead")
     if args.pipeline_batch <= 0 or args.pipeline_batch % 8:
         parser.error(f"--pipeline-batch {args.pipeline_batch}: must be a positive multiple of 8 (it is split into "
                      "2, 4 and 8 equal microbatches); try 256 or 1024")
@@ -635,8 +662,9 @@ def main() -> None:
         headline["memory_cap_pipeline_peak_gb"] = max(found[2]["max_usage_bytes_per_rank"]) / GB
 
     def pipeline() -> None:
-        found, found_headline = pipeline_rows([2, 4, 8], ["gpipe", "1f1b"], rounds, args.pipeline_batch,
-                                              PIPELINE_WIDTH, log)
+        variants = [f"{schedule}{'' if receives == 'on_demand' else '_' + receives}"
+                    for receives in args.pipeline_receives for schedule in ("gpipe", "1f1b")]
+        found, found_headline = pipeline_rows([2, 4, 8], variants, rounds, args.pipeline_batch, PIPELINE_WIDTH, log)
         rows.extend(found)
         headline.update(found_headline)
 
@@ -700,11 +728,12 @@ def _markdown(headline: dict[str, Any], rows: list[dict[str, Any]], args: argpar
                   f"{IDEALS['']}. Beside it: alone = {IDEALS['alone_ideal']}; "
                   f"isolated microbatch = {IDEALS['isolated_microbatch_ideal']}; "
                   f"whole batch = {IDEALS['whole_batch_ideal']}.", "",
-                  markdown_table(["schedule", "m", "efficiency", "per round", "formula m/(m+p-1)", "error",
+                  markdown_table(["schedule", "receives", "m", "efficiency", "per round", "formula m/(m+p-1)", "error",
                                   "1-stage alone ideal (error)", "isolated-microbatch ideal (error)",
                                   "whole-batch ideal (error)",
                                   "stage 1 / stage 0 time"],
-                                 [[r["schedule"], r["microbatches"], f"{r['efficiency']:.3f}",
+                                 [[r["schedule"], r.get("receives", "on_demand"), r["microbatches"],
+                                   f"{r['efficiency']:.3f}",
                                    ", ".join(f"{e:.3f}" for e in r["efficiency_per_round"]), f"{r['formula']:.3f}",
                                    f"{r['error']:.3f}",
                                    f"{r['efficiency_alone_ideal']:.3f} ({r['error_alone_ideal']:.3f})",

@@ -185,6 +185,10 @@ class Pipeline(Section):
     split_points: list[str] = Field(
         default_factory=list, description="names of the model's top-level children where stages 2..p begin (p-1 "
         "names); empty: the Trial's `pipeline_stages(model)` hook, else equal numbers of children")
+    receives: Literal["on_demand", "ahead"] = Field(
+        default="on_demand", description="`on_demand`: torch's schedules, each receive posted just before it is "
+        "waited for; `ahead`: each stage posts all its receives of a step when the step starts, so a hand-off is "
+        "written as soon as it is sent (gloo)")
 
 
 class Fsdp(Section):

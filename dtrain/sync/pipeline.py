@@ -102,11 +102,12 @@ class PipelineStrategy:
     name = "pipeline"
 
     def __init__(self, topology: Topology, *, stages: int, microbatches: int, schedule: str,
-                 split_points: Sequence[str] = ()) -> None:
+                 split_points: Sequence[str] = (), receives: str = "on_demand") -> None:
         self.topology = topology
         self.stages = stages
         self.microbatches = microbatches
         self.schedule_name = schedule
+        self.receives = receives
         self.split_points = list(split_points)
         self.replicas = topology.world_size // stages
         self.mesh = device_mesh(topology, (self.replicas, stages), ("data", "pipeline"))
@@ -172,7 +173,7 @@ class PipelineStrategy:
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "stages": self.stages, "replicas": self.replicas,
-                "microbatches": self.microbatches, "schedule": self.schedule_name,
+                "microbatches": self.microbatches, "schedule": self.schedule_name, "receives": self.receives,
                 "stage_parameters": self._sizes,
                 "bubble_fraction": (self.stages - 1) / (self.microbatches + self.stages - 1)}
 
@@ -325,7 +326,8 @@ class PipelineStrategy:
         stage_output = stage_output.detach().requires_grad_(True)
         stage = _TimedStage(self._parts[self.stage_index], self.stage_index, self.stages, self.topology.device,
                             input_args=(stage_input,), output_args=stage_output, group=self.pipeline_group,
-                            timer=self.own_compute)
+                            timer=self.own_compute, microbatches=self.microbatches,
+                            receives_ahead=self.receives == "ahead")
         # every stage gets the loss function: a schedule without one runs no backward pass at all
         self._schedule = SCHEDULES[self.schedule_name](stage, n_microbatches=self.microbatches, loss_fn=self._loss,
                                                        scale_grads=False)
@@ -446,19 +448,62 @@ def _receive_activation(source: int, device: torch.device) -> torch.Tensor:
 class _TimedStage(PipelineStage):
     """A PipelineStage whose own forward and backward passes run inside `timer()`. The schedule waits for its
     receives outside these calls, so what they time is compute. (Module hooks cannot time the first stage's
-    backward: with no input that requires a gradient, a full backward hook fires before the backward pass.)"""
+    backward: with no input that requires a gradient, a full backward hook fires before the backward pass.)
 
-    def __init__(self, *args: Any, timer: Callable[[], AbstractContextManager[None]], **kwargs: Any) -> None:
+    With `receives_ahead`, the stage posts every receive of a step (the m activations from the previous stage and
+    the m gradients from the next) when the schedule asks for the first one, and hands the schedule no receive of
+    its own; each forward or backward waits for its microbatch's receive first. gloo's send to an unbound buffer
+    is a rendezvous: when the receive is already posted, the sender's own thread writes the data at once; when it
+    is not, the data waits for the receiver's notice to be handled by the sender's background thread, which on a
+    busy machine may be late. Each receive has its own buffer per microbatch, and both ends keep one order per
+    direction (microbatch order), which is how gloo matches them."""
+
+    def __init__(self, *args: Any, timer: Callable[[], AbstractContextManager[None]], microbatches: int,
+                 receives_ahead: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._timer = timer
+        self._microbatches = microbatches
+        self._receives_ahead = receives_ahead
+        self._posted: dict[tuple[str, int], list[Any]] = {}  # ("forward" | "backward", microbatch) -> its works
+        self.posted_at_first_forward = 0  # receives outstanding as the step's first forward began (for tests)
 
-    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        with self._timer():
-            return super().forward_one_chunk(*args, **kwargs)
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        if not self._receives_ahead:
+            return super().get_fwd_recv_ops(fwd_chunk_id)
+        if fwd_chunk_id == 0:  # the first action of a step on every stage, in GPipe and in 1F1B
+            self._post_step_receives()
+        return []
 
-    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> None:
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return [] if self._receives_ahead else super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if fwd_chunk_id == 0:
+            self.posted_at_first_forward = sum(len(works) for works in self._posted.values())
+        self._wait_posted("forward", fwd_chunk_id)
         with self._timer():
-            super().backward_one_chunk(*args, **kwargs)
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
+        self._wait_posted("backward", bwd_chunk_id)
+        with self._timer():
+            super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def _post_step_receives(self) -> None:
+        """Post this step's receives: all activations in microbatch order, then all gradients in microbatch order
+        (two directions of the pipe, each matched in its own order)."""
+        if self._posted:
+            raise RuntimeError(f"pipeline stage {self.stage_index}: receives of the previous step were never waited "
+                               f"for ({sorted(self._posted)})")
+        for direction, ops_of in (("forward", super().get_fwd_recv_ops), ("backward", super().get_bwd_recv_ops)):
+            for chunk in range(self._microbatches):
+                works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops_of(chunk)]
+                if works:
+                    self._posted[(direction, chunk)] = works
+
+    def _wait_posted(self, direction: str, chunk: int) -> None:
+        for work in self._posted.pop((direction, chunk), []):
+            work.wait()
 
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> None:
         with self._timer():
@@ -477,4 +522,4 @@ def _trial_loss(train_batch: TrainBatch) -> Any:
 def build_pipeline(config: ExperimentConfig, topology: Topology) -> PipelineStrategy:
     p = config.distributed.pipeline
     return PipelineStrategy(topology, stages=p.stages, microbatches=p.microbatches, schedule=p.schedule,
-                            split_points=p.split_points)
+                            split_points=p.split_points, receives=p.receives)

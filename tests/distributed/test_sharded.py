@@ -57,6 +57,11 @@ CASES: dict[str, dict[str, Any]] = {
     "pipeline_gpipe": case("pipeline", pipeline={"stages": 2, "microbatches": 4, "schedule": "gpipe",
                                                  "split_points": ["2"]}),
     "pipeline_1f1b": case("pipeline", pipeline={"stages": 2, "microbatches": 4, "schedule": "1f1b"}),
+    # every receive of a step posted when the step starts (distributed.pipeline.receives: ahead)
+    "pipeline_gpipe_ahead": case("pipeline", pipeline={"stages": 2, "microbatches": 4, "schedule": "gpipe",
+                                                       "receives": "ahead"}),
+    "pipeline_1f1b_ahead": case("pipeline", pipeline={"stages": 2, "microbatches": 4, "schedule": "1f1b",
+                                                      "receives": "ahead"}),
     # validation through the stages (the Trial defines pipeline_metrics): batches of 179, 179 and 1 records, cut
     # into microbatches of 45, 45, 45, 44 and one of 1
     "pipeline_1f1b_staged": {**case("pipeline", pipeline={"stages": 2, "microbatches": 4, "schedule": "1f1b"}),
@@ -109,7 +114,7 @@ def _agreement(topology: Topology) -> dict[str, Any]:
             "params": [p.detach().clone() for p in model.parameters()]}
 
 
-def _pipeline_compute_spans(topology: Topology, schedule: str) -> dict[str, Any]:
+def _pipeline_compute_spans(topology: Topology, schedule: str, receives: str) -> dict[str, Any]:
     """One step of a 2-stage pipeline (4 microbatches) whose bubble is timed: for every gradient this rank's stage
     computes, whether the stage's own-compute timer was open at that moment (the bubble is the schedule's time
     outside it), and how many bubbles were recorded."""
@@ -126,7 +131,7 @@ def _pipeline_compute_spans(topology: Topology, schedule: str) -> dict[str, Any]
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
-    strategy = PipelineStrategy(topology, stages=2, microbatches=4, schedule=schedule)
+    strategy = PipelineStrategy(topology, stages=2, microbatches=4, schedule=schedule, receives=receives)
     bubbles: list[float] = []
     strategy.observe_waits(lambda phase, seconds: bubbles.append(seconds))
     model = strategy.wrap_model(model)
@@ -137,7 +142,8 @@ def _pipeline_compute_spans(topology: Topology, schedule: str) -> dict[str, Any]
     phases = type("Phases", (), {"forward": lambda self: nullcontext(), "backward": lambda self: nullcontext()})()
     strategy.forward_backward(model, (torch.randn(8, 6), torch.randint(0, 3, (8,))), Trial().train_batch,
                               loss_scale=1.0, communicate=True, phases=phases)
-    return {"gradients_inside": inside, "parameters": len(list(own.parameters())), "bubbles": len(bubbles)}
+    return {"gradients_inside": inside, "parameters": len(list(own.parameters())), "bubbles": len(bubbles),
+            "posted_at_first_forward": strategy._schedule._stage.posted_at_first_forward}
 
 
 def _whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -240,7 +246,8 @@ def _train_all(topology: Topology, root: str, cases: dict[str, dict[str, Any]], 
     if not extras:
         return results
     results["agreement"] = _agreement(topology)
-    results["compute_spans"] = {schedule: _pipeline_compute_spans(topology, schedule) for schedule in ("gpipe", "1f1b")}
+    results["compute_spans"] = {f"{schedule}_{receives}": _pipeline_compute_spans(topology, schedule, receives)
+                                for schedule in ("gpipe", "1f1b") for receives in ("on_demand", "ahead")}
     results["memory"] = _model_state_bytes(topology)
     results["fsdp_resumed"] = _interrupted_and_resumed(topology, Path(root) / "fsdp_resumed", CASES["fsdp"])
     results["pipeline_resumed"] = _interrupted_and_resumed(topology, Path(root) / "pipeline_resumed",
@@ -451,7 +458,7 @@ def test_fsdp_collectives_and_the_pipeline_bubble_are_phases_of_their_own(traine
         assert {phase for phase, seconds in rank[name]["waits"].items() if seconds > 0} == expected
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe_on_demand", "1f1b_on_demand", "gpipe_ahead", "1f1b_ahead"])
 def test_the_bubble_excludes_every_stages_own_backward(trained: list[dict[str, Any]], schedule: str) -> None:
     """A stage's bubble is its schedule's time outside its own compute; every gradient of its own parameters (4
     microbatches each) is computed inside that compute on both stages, the first stage included (whose input needs
@@ -462,6 +469,15 @@ def test_the_bubble_excludes_every_stages_own_backward(trained: list[dict[str, A
         assert spans["bubbles"] == 1
         assert len(spans["gradients_inside"]) == 4 * spans["parameters"] > 0
         assert all(spans["gradients_inside"]), spans
+
+
+def test_receives_ahead_are_all_posted_before_the_first_forward(trained: list[dict[str, Any]]) -> None:
+    """With `receives: ahead` each stage has posted its step's 4 receives (the second stage its activations, the
+    first its gradients) before it computes anything; torch's own order posts them one at a time."""
+    for rank in trained:
+        for schedule in ("gpipe", "1f1b"):
+            assert rank["compute_spans"][f"{schedule}_ahead"]["posted_at_first_forward"] == 4
+            assert rank["compute_spans"][f"{schedule}_on_demand"]["posted_at_first_forward"] == 0
 
 
 def test_fsdp_validation_with_unequal_batch_counts_per_rank_equals_zero1s(trained: list[dict[str, Any]]) -> None:
@@ -562,13 +578,16 @@ def test_pipeline_x_data_on_a_2x2_mesh_equals_single_process(spawn: Callable[...
     """4 ranks: 2 pipeline replicas (data) x 2 stages; each replica trains on half the global batch in 4
     microbatches and the stages' gradients are averaged over the replicas. Validated in stages too, each replica
     on its half of the validation data, the metrics equal the whole model's."""
-    staged = {**PIPELINE_X_DATA, "hyperparameters": {**PIPELINE_X_DATA["hyperparameters"], "staged_validation": True}}
+    staged = {**PIPELINE_X_DATA, "hyperparameters": {**PIPELINE_X_DATA["hyperparameters"], "staged_validation": True},
+              "distributed": {**PIPELINE_X_DATA["distributed"],
+                              "pipeline": {**PIPELINE_X_DATA["distributed"]["pipeline"], "receives": "ahead"}}}
     ranks = spawn(_train_all, 4, str(tmp_path), {"pipe_x_data": PIPELINE_X_DATA, "staged": staged}, False,
                   timeout=240)
     reference = _reference(PIPELINE_X_DATA, _sgd)
     stage_bytes = [(64 * 16 + 16) * 8, (16 * 10 + 10) * 8]  # rank d*p + s runs stage s
     for index, rank in enumerate(ranks):
         assert _relative(rank["pipe_x_data"]["state"], reference) < 1e-9
+        assert _relative(rank["staged"]["state"], reference) < 1e-9  # its receives posted ahead
         assert rank["pipe_x_data"]["identical"]
         assert rank["pipe_x_data"]["built_bytes"] == (sum(stage_bytes) if index == 0 else 0)  # the others: meta
         assert rank["pipe_x_data"]["training_bytes"] == stage_bytes[index % 2]
