@@ -35,7 +35,7 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def _timeline(topology: Any, repeats: int, batch: int, width: int) -> dict[str, Any]:
+def _timeline(topology: Any, repeats: int, batch: int, width: int, receives: list[str]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     import torch.distributed.pipelining.schedules as schedules
@@ -43,6 +43,7 @@ def _timeline(topology: Any, repeats: int, batch: int, width: int) -> dict[str, 
     import torch.nn.functional as F
     from model_def import build_wide_mlp  # type: ignore[attr-defined]  # examples/wide_mlp's, on sys.path
 
+    from dtrain.sync import pipeline
     from dtrain.sync.pipeline import PipelineStrategy, cut_model
 
     torch.manual_seed(0)
@@ -107,6 +108,8 @@ def _timeline(topology: Any, repeats: int, batch: int, width: int) -> dict[str, 
     for label, (owner, name) in SCHEDULE_ACTIONS.items():
         record(getattr(stages, owner) if owner else schedules, name, label)
     record(schedules, "_batch_p2p", "post")  # 1F1B posts through it directly (GPipe through _sorted_batch_p2p)
+    record(pipeline._TimedStage, "_post_step_receives", "post")  # receives: ahead
+    record(pipeline._TimedStage, "_wait_posted", "wait")
 
     class Trial:
         def pipeline_loss(self, outputs: Any, targets: Any) -> Any:
@@ -117,9 +120,9 @@ def _timeline(topology: Any, repeats: int, batch: int, width: int) -> dict[str, 
 
     phases = type("Phases", (), {"forward": lambda self: nullcontext(), "backward": lambda self: nullcontext()})()
     out["steps"] = {}
-    for schedule in ("gpipe", "1f1b"):
+    for schedule, receive in ((schedule, receive) for receive in receives for schedule in ("gpipe", "1f1b")):
         for m in MICROBATCHES:
-            strategy = PipelineStrategy(topology, stages=2, microbatches=m, schedule=schedule)
+            strategy = PipelineStrategy(topology, stages=2, microbatches=m, schedule=schedule, receives=receive)
             model = strategy.wrap_model(build_wide_mlp(INPUTS, width, BLOCKS, CLASSES))
 
             def step(strategy: Any = strategy, model: Any = model) -> None:
@@ -134,7 +137,7 @@ def _timeline(topology: Any, repeats: int, batch: int, width: int) -> dict[str, 
                 started = time.perf_counter()
                 step()
                 steps.append({"start": started, "end": time.perf_counter(), "events": list(events)})
-            out["steps"][f"{schedule}_m{m}"] = steps
+            out["steps"][f"{schedule}{'_ahead' if receive == 'ahead' else ''}_m{m}"] = steps
     return out
 
 
@@ -174,8 +177,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=PIPELINE_BATCH, help=f"default {PIPELINE_BATCH} (model_scale's)")
     parser.add_argument("--width", type=int, default=PIPELINE_WIDTH, help=f"default {PIPELINE_WIDTH} (model_scale's)")
     parser.add_argument("--out", type=Path, help="also write the raw timelines and the accounting as JSON")
+    parser.add_argument("--receives", type=lambda text: text.split(","), default=["on_demand"],
+                        help="comma-separated distributed.pipeline.receives settings to time (on_demand, ahead; "
+                             "default on_demand); cases with ahead are named <schedule>_ahead_m<m>")
     args = parser.parse_args()
-    ranks = spawn(_timeline, 2, args.repeats, args.batch, args.width, timeout=1500, env=dtrain_run_malloc())
+    if not args.receives or any(r not in ("on_demand", "ahead") for r in args.receives):
+        parser.error(f"--receives {','.join(args.receives)}: on_demand and/or ahead, comma-separated")
+    ranks = spawn(_timeline, 2, args.repeats, args.batch, args.width, args.receives, timeout=1500,
+                  env=dtrain_run_malloc())
     if any("error" in r for r in ranks):
         raise SystemExit(f"pipeline_timeline: {ranks}")
     rows = account(ranks)
