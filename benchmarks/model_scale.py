@@ -317,6 +317,11 @@ def _oom_kills(group: Path) -> int | None:
 # ------------------------------------------------------------------------------------------- 3. pipeline
 
 
+def variant_name(schedule: str, receives: str) -> str:
+    """The name of a pipeline variant: the schedule, with `_ahead` for receives posted ahead (`_variant` reads it)."""
+    return schedule if receives == "on_demand" else f"{schedule}_{receives}"
+
+
 def _variant(name: str) -> tuple[str, str]:
     """A pipeline variant's schedule and receives: `gpipe`, `1f1b` (torch's order: receives on demand) or the same
     with `_ahead` (distributed.pipeline.receives: ahead)."""
@@ -487,8 +492,8 @@ def pipeline_rows(microbatches: list[int], variants: list[str], rounds: int, bat
                                    "microbatch_rows": rows_per_micro, "formula": formula,
                                    "pipeline_seconds": measured}
             for ideal, seconds in ideals.items():
-                key = "_".join(part for part in ("pipeline_efficiency", ideal, variant.removeprefix("gpipe"),
-                                                 f"m{m}") if part).replace("__", "_")
+                key = "_".join(part for part in ("pipeline_efficiency", ideal,
+                                                 variant.removeprefix("gpipe").lstrip("_"), f"m{m}") if part)
                 ratio = ratio_headline(key, seconds, measured)
                 headline[key] = ratio[key]
                 headline[f"{key}_per_round"] = ratio[f"{key}_per_round"]
@@ -662,8 +667,8 @@ def main() -> None:
         headline["memory_cap_pipeline_peak_gb"] = max(found[2]["max_usage_bytes_per_rank"]) / GB
 
     def pipeline() -> None:
-        variants = [f"{schedule}{'' if receives == 'on_demand' else '_' + receives}"
-                    for receives in args.pipeline_receives for schedule in ("gpipe", "1f1b")]
+        variants = [variant_name(schedule, receives) for receives in args.pipeline_receives
+                    for schedule in ("gpipe", "1f1b")]
         found, found_headline = pipeline_rows([2, 4, 8], variants, rounds, args.pipeline_batch, PIPELINE_WIDTH, log)
         rows.extend(found)
         headline.update(found_headline)

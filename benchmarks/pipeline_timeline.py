@@ -23,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from model_scale import BLOCKS, CLASSES, INPUTS, PIPELINE_BATCH, PIPELINE_WIDTH, dtrain_run_malloc, spawn  # noqa: E402
+from model_scale import BLOCKS, CLASSES, INPUTS, PIPELINE_BATCH, PIPELINE_WIDTH, dtrain_run_malloc, spawn, variant_name  # noqa: E402
 
 MICROBATCHES = (2, 4, 8)
 SCHEDULE_ACTIONS = {"forward": ("_PipelineStageBase", "forward_one_chunk"),
@@ -137,7 +137,7 @@ def _timeline(topology: Any, repeats: int, batch: int, width: int, receives: lis
                 started = time.perf_counter()
                 step()
                 steps.append({"start": started, "end": time.perf_counter(), "events": list(events)})
-            out["steps"][f"{schedule}{'_ahead' if receive == 'ahead' else ''}_m{m}"] = steps
+            out["steps"][f"{variant_name(schedule, receive)}_m{m}"] = steps
     return out
 
 
