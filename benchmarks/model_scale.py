@@ -746,8 +746,8 @@ def _markdown(headline: dict[str, Any], rows: list[dict[str, Any]], args: argpar
                                    f"({r['error_isolated_microbatch_ideal']:.3f})",
                                    f"{r['efficiency_whole_batch_ideal']:.3f} ({r['error_whole_batch_ideal']:.3f})",
                                    f"{r['stage_balance']:.2f}"] for r in pipe])]
-    lines += ["", f"Settings: quick={args.quick}; the machine's 2 cores were shared with other work (see the load "
-              "averages in the JSON)."]
+    lines += ["", f"Settings: quick={args.quick}. The load averages at the start and the end are in the JSON: they say "
+              "whether other work shared the machine's cores."]
     return "\n".join(lines)
 
 
