@@ -11,7 +11,11 @@ worker.
    direct measurement that shares no code with dtrain: a plain DDP loop under torchrun on the same model and
    batches, alternating blocks of steps with and without `no_sync()`; overhead = 1 - (median unsynced step) /
    (median synced step), the median over the pairs of neighbouring blocks (`--comm-blocks`, 12), so that a slow
-   spell of the machine is shared by both sides; the diagnosis runs `--comm-steps` (80) batches per trial.
+   spell of the machine is shared by both sides; the diagnosis runs `--comm-steps` (80) batches per trial. The
+   plain loop starts with the malloc settings dtrain's workers get (`dtrain.launch.malloc_environment`), so that
+   both sides pay the same for memory; it also times its optimizer update, to give the overhead on the
+   diagnosis's own basis (a batch's work without the update), and each round keeps the diagnosis's trials'
+   phases (configured and no-communication, per rank), to show where a difference comes from.
    Headline `comm_overhead_error_points`: |diagnosed - direct| in percentage points, paired within each round;
    the median of the rounds, with `comm_overhead_error_points_per_round` and `_max` (target: every round <= 10).
 2. Input pipeline (loopback): `dtrain diagnose` on the same workload with `load_delay_ms` per batch, swept
@@ -81,8 +85,14 @@ def run_worker(flag: str, blocks: int, block_steps: int, workdir: Path, wrap: An
     out = workdir / f"{flag.strip('-')}-{time.monotonic_ns()}.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
                flag, "--blocks", str(blocks), "--block-steps", str(block_steps), "--out", str(out)]
-    result = subprocess.run(wrap(command) if wrap else command, capture_output=True, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    from dtrain.config.distributed import DEFAULT_MALLOC_TRIM_THRESHOLD_MB
+    from dtrain.launch import malloc_environment
+
+    # dtrain's workers start with its malloc settings (no page faults for the gradients each step); the plain loop
+    # gets the same, or its steps would carry a cost that dtrain's do not (hidden under the transfers when synced,
+    # exposed when not), which is not communication.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **malloc_environment(DEFAULT_MALLOC_TRIM_THRESHOLD_MB)}
+    result = subprocess.run(wrap(command) if wrap else command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"{flag} measurement failed:\n{result.stderr[-3000:]}")
     found: dict[str, Any] = json.loads(out.read_text())
@@ -104,9 +114,10 @@ def direct_worker(blocks: int, block_steps: int, out: Path) -> None:
     model = DistributedDataParallel(build_model(256))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     batches = worker_batches(rank)
-    times: dict[str, list[float]] = {"synced": [], "unsynced": []}
+    times: dict[str, list[float]] = {"synced": [], "unsynced": [], "synced_update": [], "unsynced_update": []}
 
-    def step(index: int, synced: bool) -> float:
+    def step(index: int, synced: bool) -> tuple[float, float]:
+        """One step's seconds, and the part of them the optimizer update took."""
         images, labels = batches[index % len(batches)]
         start = time.perf_counter()
         if synced:
@@ -114,17 +125,22 @@ def direct_worker(blocks: int, block_steps: int, out: Path) -> None:
         else:
             with model.no_sync():
                 F.cross_entropy(model(images), labels).backward()
+        update_start = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
+        end = time.perf_counter()
+        return end - start, end - update_start
 
     for index in range(5):  # warm-up: bucket rebuild, allocator, caches
         step(index, synced=True)
     for block in range(blocks):
         for synced in ((True, False) if block % 2 == 0 else (False, True)):
             dist.barrier()  # both ranks start the block together
+            side = "synced" if synced else "unsynced"
             for index in range(block_steps):
-                times["synced" if synced else "unsynced"].append(step(index, synced))
+                seconds, update = step(index, synced)
+                times[side].append(seconds)
+                times[f"{side}_update"].append(update)
     if rank == 0:
         out.write_text(json.dumps(times))
     dist.destroy_process_group()
@@ -137,9 +153,16 @@ def direct_overhead(ns: Any, blocks: int, block_steps: int, workdir: Path) -> di
     # Paired block by block (each synced block beside the unsynced block run next to it), so that a slow spell of
     # the shared machine in part of the run does not land on one side only.
     unsynced_over_synced = paired_block_ratio(times["unsynced"], times["synced"], block_steps)
+    # The diagnosis compares a batch's work without the optimizer update (its no-communication trial updates once
+    # in 1000 batches); the same basis here, so that the two can be compared on it too.
+    without_update = {side: [t - u for t, u in zip(times[side], times[f"{side}_update"], strict=True)]
+                      for side in ("synced", "unsynced")}
     return {"synced_ms": synced * 1e3, "unsynced_ms": unsynced * 1e3,
+            "update_ms": statistics.median(times["synced_update"] + times["unsynced_update"]) * 1e3,
             "overhead_percent": 100.0 * (1.0 - unsynced_over_synced),
-            "overhead_percent_of_medians": 100.0 * (synced - unsynced) / synced}
+            "overhead_percent_of_medians": 100.0 * (synced - unsynced) / synced,
+            "overhead_percent_without_update": 100.0 * (1.0 - paired_block_ratio(
+                without_update["unsynced"], without_update["synced"], block_steps))}
 
 
 # ------------------------------------------------------------------------------------ diagnose
@@ -158,6 +181,23 @@ def diagnose(wrap: Any, steps: int, out: Path, overrides: list[str], repeats: in
         raise RuntimeError(f"dtrain diagnose failed:\n{result.stderr[-3000:]}")
     diagnosis: dict[str, Any] = json.loads((out / "diagnosis.json").read_text())
     return diagnosis
+
+
+TRIAL_PHASES = ("data", "forward", "backward", "comm_wait", "optimizer")
+
+
+def trial_phase_ms(diagnosis: dict[str, Any]) -> dict[str, list[list[dict[str, float]]]]:
+    """Per trial that bears on communication, per repeat, per rank: the median ms of each phase of a step (to
+    see which phases the diagnosed overhead comes from, beside the direct loop's steps)."""
+    found: dict[str, list[list[dict[str, float]]]] = {}
+    for name in ("configured", "no_communication"):
+        trial = diagnosis["trials"].get(name)
+        if trial is None:
+            continue
+        repeats = [r["profile"] for r in trial.get("repeats", [])] or [trial["profile"]]
+        found[name] = [[{phase: 1e3 * rank["median_seconds"].get(phase, 0.0) for phase in TRIAL_PHASES}
+                        for rank in profile["ranks"] if rank.get("steps")] for profile in repeats]
+    return found
 
 
 def communication_part(rounds: int, steps: int, blocks: int, block_steps: int, workdir: Path,
@@ -189,11 +229,13 @@ def communication_part(rounds: int, steps: int, blocks: int, block_steps: int, w
                     row["verdict"] = found["verdict"]
                     row["advice"] = found["advice"]
                     row["step_ms"] = found["step_ms"]
+                    row["trial_phase_ms"] = trial_phase_ms(found)
                     chart = Path(found["chart"])
             row["direct_percent"] = row["direct"]["overhead_percent"]
             print(f"[{repeat + 1}/{rounds}] diagnosed {row['diagnosed_percent']:.1f}% vs direct "
                   f"{row['direct_percent']:.1f}% (synced {row['direct']['synced_ms']:.1f} ms, unsynced "
-                  f"{row['direct']['unsynced_ms']:.1f} ms)", flush=True)
+                  f"{row['direct']['unsynced_ms']:.1f} ms, update {row['direct']['update_ms']:.1f} ms; without the "
+                  f"update {row['direct']['overhead_percent_without_update']:.1f}%)", flush=True)
             rows.append(row)
     return rows, network, chart
 
@@ -447,12 +489,18 @@ def main() -> None:
     if comm:
         lines += ["## Communication overhead at 1 Gbit/s (percent of the step)", "",
                   markdown_table(["round", "diagnosed", "diagnosed per repeat", "direct (plain DDP)",
-                                  "DDP synced ms", "DDP unsynced ms", "exposed wait", "scaling efficiency"],
+                                  "direct without the update", "DDP synced ms", "DDP unsynced ms", "DDP update ms",
+                                  "exposed wait", "scaling efficiency"],
                                  [[r["repeat"], r["diagnosed_percent"],
                                    ", ".join(f"{v:.1f}" for v in r["diagnosed_percent_per_repeat"]),
-                                   r["direct_percent"], r["direct"]["synced_ms"],
-                                   r["direct"]["unsynced_ms"], r["exposed_wait_percent"],
-                                   r["scaling_efficiency_percent"]] for r in comm]),
+                                   r["direct_percent"], r["direct"]["overhead_percent_without_update"],
+                                   r["direct"]["synced_ms"], r["direct"]["unsynced_ms"], r["direct"]["update_ms"],
+                                   r["exposed_wait_percent"], r["scaling_efficiency_percent"]] for r in comm]),
+                  "", "The diagnosis's trials, median ms per phase (rank 0 / rank 1, first repeat):", "",
+                  markdown_table(["round", "trial", *TRIAL_PHASES],
+                                 [[r["repeat"], name, *[" / ".join(f"{rank[p]:.1f}" for rank in repeats[0])
+                                                        for p in TRIAL_PHASES]]
+                                  for r in comm for name, repeats in r.get("trial_phase_ms", {}).items()]),
                   "", f"The last round's diagnosis (its chart is `diagnose_chart.png`; step "
                       f"{comm[-1]['step_ms']:.1f} ms):",
                   "", *[f"    {line}" for line in comm[-1]["verdict"]],
