@@ -241,6 +241,16 @@ def dtrain_run(config: Path, run_dir: Path, settings: Sequence[str], runs_root: 
     return summary
 
 
+def dtrain_run_malloc() -> dict[str, str]:
+    """The glibc malloc settings `dtrain run` starts its workers with (dtrain.launch), for a hand-written loop that
+    should train as dtrain's workers do: with glibc's adaptive defaults a step's freed tensors go back to the OS and
+    are page-faulted in again, a cost dtrain's workers do not pay."""
+    from dtrain.config.distributed import DEFAULT_MALLOC_TRIM_THRESHOLD_MB
+    from dtrain.launch import malloc_environment
+
+    return malloc_environment(DEFAULT_MALLOC_TRIM_THRESHOLD_MB)
+
+
 def time_to(history: Sequence[dict[str, Any]], target: float) -> float | None:
     """Wall seconds of the first validation entry (`accuracy`, `wall_seconds`) at or above `target`."""
     return next((float(e["wall_seconds"]) for e in history if e["accuracy"] >= target), None)

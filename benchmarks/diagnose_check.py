@@ -12,10 +12,11 @@ worker.
    batches, alternating blocks of steps with and without `no_sync()`; overhead = 1 - (median unsynced step) /
    (median synced step), the median over the pairs of neighbouring blocks (`--comm-blocks`, 12), so that a slow
    spell of the machine is shared by both sides; the diagnosis runs `--comm-steps` (80) batches per trial. The
-   plain loop starts with the malloc settings dtrain's workers get (`dtrain.launch.malloc_environment`), so that
-   both sides pay the same for memory; it also times its optimizer update, to give the overhead on the
-   diagnosis's own basis (a batch's work without the update), and each round keeps the diagnosis's trials'
-   phases (configured and no-communication, per rank), to show where a difference comes from.
+   plain loop (like the timers' loop of part 3) starts with the malloc settings dtrain's workers get
+   (`common.dtrain_run_malloc`; recorded in each round's `direct`), so that both sides pay the same for memory;
+   it also times its optimizer update, to give the overhead on the diagnosis's own basis (a batch's work without
+   the update), and each round keeps the diagnosis's trials' phases (configured and no-communication, per rank),
+   to show where a difference comes from.
    Headline `comm_overhead_error_points`: |diagnosed - direct| in percentage points, paired within each round;
    the median of the rounds, with `comm_overhead_error_points_per_round` and `_max` (target: every round <= 10).
 2. Input pipeline (loopback): `dtrain diagnose` on the same workload with `load_delay_ms` per batch, swept
@@ -85,13 +86,12 @@ def run_worker(flag: str, blocks: int, block_steps: int, workdir: Path, wrap: An
     out = workdir / f"{flag.strip('-')}-{time.monotonic_ns()}.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
                flag, "--blocks", str(blocks), "--block-steps", str(block_steps), "--out", str(out)]
-    from dtrain.config.distributed import DEFAULT_MALLOC_TRIM_THRESHOLD_MB
-    from dtrain.launch import malloc_environment
+    from common import dtrain_run_malloc
 
-    # dtrain's workers start with its malloc settings (no page faults for the gradients each step); the plain loop
-    # gets the same, or its steps would carry a cost that dtrain's do not (hidden under the transfers when synced,
-    # exposed when not), which is not communication.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **malloc_environment(DEFAULT_MALLOC_TRIM_THRESHOLD_MB)}
+    # dtrain's workers start with its malloc settings (no page faults for the gradients each step); these loops get
+    # the same, or their steps would carry a cost that dtrain's do not (in the plain loop: hidden under the
+    # transfers when synced, exposed when not, so counted as communication).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **dtrain_run_malloc()}
     result = subprocess.run(wrap(command) if wrap else command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"{flag} measurement failed:\n{result.stderr[-3000:]}")
@@ -146,8 +146,10 @@ def direct_worker(blocks: int, block_steps: int, out: Path) -> None:
     dist.destroy_process_group()
 
 
-def direct_overhead(ns: Any, blocks: int, block_steps: int, workdir: Path) -> dict[str, float]:
+def direct_overhead(ns: Any, blocks: int, block_steps: int, workdir: Path) -> dict[str, Any]:
     """Communication overhead % of the plain DDP loop inside namespace `ns`."""
+    from common import dtrain_run_malloc
+
     times = run_worker("--direct-worker", blocks, block_steps, workdir, wrap=ns.wrap)
     synced, unsynced = statistics.median(times["synced"]), statistics.median(times["unsynced"])
     # Paired block by block (each synced block beside the unsynced block run next to it), so that a slow spell of
@@ -157,7 +159,7 @@ def direct_overhead(ns: Any, blocks: int, block_steps: int, workdir: Path) -> di
     # in 1000 batches); the same basis here, so that the two can be compared on it too.
     without_update = {side: [t - u for t, u in zip(times[side], times[f"{side}_update"], strict=True)]
                       for side in ("synced", "unsynced")}
-    return {"synced_ms": synced * 1e3, "unsynced_ms": unsynced * 1e3,
+    return {"synced_ms": synced * 1e3, "unsynced_ms": unsynced * 1e3, "malloc_environment": dtrain_run_malloc(),
             "update_ms": statistics.median(times["synced_update"] + times["unsynced_update"]) * 1e3,
             "overhead_percent": 100.0 * (1.0 - unsynced_over_synced),
             "overhead_percent_of_medians": 100.0 * (synced - unsynced) / synced,

@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "examples" / "wide_mlp"))
 
-from common import dtrain_run, machine_info, markdown_table, median, ratio_headline, write_results  # noqa: E402
+from common import dtrain_run, dtrain_run_malloc, machine_info, markdown_table, median, ratio_headline, write_results  # noqa: E402
 
 WIDTH, BLOCKS, INPUTS, CLASSES = 2560, 8, 256, 10
 PIPELINE_BATCH, PIPELINE_WIDTH = 256, 1024
@@ -436,16 +436,6 @@ def _pipeline(topology: Any, microbatches: list[int], variants: list[str], round
         for run in ((alone, together, lambda: piped(False)) if forward else (lambda: piped(True), together, alone)):
             run()
     return {"threads": torch.get_num_threads(), "times": out}
-
-
-def dtrain_run_malloc() -> dict[str, str]:
-    """The glibc malloc settings `dtrain run` starts its workers with (dtrain.launch), so that the pipeline and its
-    1-stage run train as dtrain does: with glibc's adaptive defaults a step's freed activations went back to the OS
-    and were page-faulted in again (about 14,000 minor faults per forward+backward of the whole batch)."""
-    from dtrain.config.distributed import DEFAULT_MALLOC_TRIM_THRESHOLD_MB
-    from dtrain.launch import malloc_environment
-
-    return malloc_environment(DEFAULT_MALLOC_TRIM_THRESHOLD_MB)
 
 
 IDEALS = {  # name -> (what T_ideal is, for the results)

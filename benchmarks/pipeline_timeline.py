@@ -23,7 +23,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from model_scale import BLOCKS, CLASSES, INPUTS, PIPELINE_BATCH, PIPELINE_WIDTH, dtrain_run_malloc, spawn, variant_name  # noqa: E402
+from common import dtrain_run_malloc  # noqa: E402
+from model_scale import BLOCKS, CLASSES, INPUTS, PIPELINE_BATCH, PIPELINE_WIDTH, spawn, variant_name  # noqa: E402
 
 MICROBATCHES = (2, 4, 8)
 SCHEDULE_ACTIONS = {"forward": ("_PipelineStageBase", "forward_one_chunk"),
