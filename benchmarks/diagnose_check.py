@@ -80,23 +80,33 @@ def worker_batches(rank: int) -> list[Any]:
              torch.randint(0, 10, (PER_RANK_BATCH,), generator=generator)) for _ in range(4)]
 
 
+ATTEMPTS = 2  # a worker pair that crashes is run once more, and the retry is recorded
+
+
 def run_worker(flag: str, blocks: int, block_steps: int, workdir: Path, wrap: Any = None) -> dict[str, Any]:
     """Run this file's `flag` worker in 2 torchrun processes (inside a namespace when `wrap` is its `wrap`) and
-    return the JSON its rank 0 wrote."""
-    out = workdir / f"{flag.strip('-')}-{time.monotonic_ns()}.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
-               flag, "--blocks", str(blocks), "--block-steps", str(block_steps), "--out", str(out)]
+    return the JSON its rank 0 wrote, with `attempts`: a pair that crashed (a gloo worker once aborted in
+    teardown on this machine, losing the rounds before it) is started again, at most `ATTEMPTS` times in all."""
     from common import dtrain_run_malloc
 
     # dtrain's workers start with its malloc settings (no page faults for the gradients each step); these loops get
     # the same, or their steps would carry a cost that dtrain's do not (in the plain loop: hidden under the
     # transfers when synced, exposed when not, so counted as communication).
     env = {**os.environ, "OMP_NUM_THREADS": "1", **dtrain_run_malloc()}
-    result = subprocess.run(wrap(command) if wrap else command, capture_output=True, text=True, env=env)
-    if result.returncode != 0:
-        raise RuntimeError(f"{flag} measurement failed:\n{result.stderr[-3000:]}")
-    found: dict[str, Any] = json.loads(out.read_text())
-    return found
+    for attempt in range(1, ATTEMPTS + 1):
+        out = workdir / f"{flag.strip('-')}-{time.monotonic_ns()}.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   __file__, flag, "--blocks", str(blocks), "--block-steps", str(block_steps), "--out", str(out)]
+        result = subprocess.run(wrap(command) if wrap else command, capture_output=True, text=True, env=env)
+        if result.returncode == 0:
+            found: dict[str, Any] = json.loads(out.read_text())
+            return {**found, "attempts": attempt}
+        failure = f"{flag} measurement failed (attempt {attempt} of {ATTEMPTS}):\n{result.stderr[-3000:]}"
+        if attempt == ATTEMPTS:
+            raise RuntimeError(failure)
+        print(failure.splitlines()[0] + "; last lines of its output:\n" + "\n".join(
+            result.stderr.strip().splitlines()[-5:]) + "\nstarting it again", flush=True)
+    raise AssertionError("unreachable")
 
 
 def direct_worker(blocks: int, block_steps: int, out: Path) -> None:
@@ -143,6 +153,7 @@ def direct_worker(blocks: int, block_steps: int, out: Path) -> None:
                 times[f"{side}_update"].append(update)
     if rank == 0:
         out.write_text(json.dumps(times))
+    dist.barrier()  # neither rank tears down while the other still has DDP work in flight
     dist.destroy_process_group()
 
 
@@ -159,7 +170,8 @@ def direct_overhead(ns: Any, blocks: int, block_steps: int, workdir: Path) -> di
     # in 1000 batches); the same basis here, so that the two can be compared on it too.
     without_update = {side: [t - u for t, u in zip(times[side], times[f"{side}_update"], strict=True)]
                       for side in ("synced", "unsynced")}
-    return {"synced_ms": synced * 1e3, "unsynced_ms": unsynced * 1e3, "malloc_environment": dtrain_run_malloc(),
+    return {"synced_ms": synced * 1e3, "unsynced_ms": unsynced * 1e3, "attempts": times["attempts"],
+            "malloc_environment": dtrain_run_malloc(),
             "update_ms": statistics.median(times["synced_update"] + times["unsynced_update"]) * 1e3,
             "overhead_percent": 100.0 * (1.0 - unsynced_over_synced),
             "overhead_percent_of_medians": 100.0 * (synced - unsynced) / synced,
@@ -358,6 +370,7 @@ def interleaved_overhead(blocks: int, block_steps: int, workdir: Path) -> dict[s
         raise RuntimeError(f"the profiler recorded {times['timed_steps_recorded']} steps, not the "
                            f"{WARMUP_STEPS + len(wall['on'])} steps with the timers on: the on/off switch failed")
     return {"on_ms": statistics.median(wall["on"]) * 1e3, "off_ms": statistics.median(wall["off"]) * 1e3,
+            "attempts": times["attempts"],
             "overhead_percent": 100.0 * (paired_block_ratio(wall["on"], wall["off"], block_steps) - 1.0),
             "cpu_on_ms": statistics.median(cpu["on"]) * 1e3, "cpu_off_ms": statistics.median(cpu["off"]) * 1e3,
             "cpu_overhead_percent": 100.0 * (paired_block_ratio(cpu["on"], cpu["off"], block_steps) - 1.0),
