@@ -321,6 +321,8 @@ def main() -> None:
     parser.add_argument("--unshaped-accuracy", action="store_true",
                         help="accuracy: run on the plain loopback even where a shaped namespace is available")
     parser.add_argument("--skip-accuracy", action="store_true", help="only the speed measurement")
+    parser.add_argument("--results-name",
+                        help="results file name (default compression, with _quick or _batch<N> when those are set)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -333,7 +335,7 @@ def main() -> None:
     from netem import shaped_namespace, unavailable_reason
 
     epochs = args.epochs or (1 if args.quick else 3)
-    name = "compression" + ("_quick" if args.quick else "") + (
+    name = args.results_name or "compression" + ("_quick" if args.quick else "") + (
         f"_batch{args.per_rank_batch}" if args.per_rank_batch != PER_RANK_BATCH else "")
     headline: dict[str, Any] = {"workers": 2}
     rows: list[dict[str, Any]] = []
@@ -455,6 +457,10 @@ def main() -> None:
                                                    ("--skip-accuracy", args.skip_accuracy)) if used)
     if args.per_rank_batch != PER_RANK_BATCH:
         flags += f" --per-rank-batch {args.per_rank_batch}"
+    for flag, value in (("--epochs", args.epochs), ("--seeds", args.seeds), ("--results-name", args.results_name),
+                        ("--compressors", ",".join(args.compressors) if args.compressors else None)):
+        if value is not None:
+            flags += f" {flag} '{value}'" if " " in str(value) else f" {flag} {value}"
     reproduce = f"flock /tmp/dtrain-bench.lock python benchmarks/compression.py{flags}"
     markdown = (f"# {name}\n\nGradient compression with 2 workers; see the docstring of `benchmarks/compression.py`."
                 f"\n\n" + "\n\n".join(sections) + f"\n\nReproduce (as root): `{reproduce}`\n")
