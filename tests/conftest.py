@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -32,3 +34,12 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env.pop("DTRAIN_LAUNCHER", None)
     env.update(extra)
     return env
+
+
+def benchmark_module(name: str) -> ModuleType:
+    """benchmarks/<name>.py loaded as a module (benchmarks/ is not a package), for tests of its pure functions."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -3,21 +3,15 @@ figures."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import benchmark_module
 
 
 def _before_after() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_before_after", REPO / "benchmarks" / "before_after.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("before_after")
 
 
 def test_compression_old_statistic_is_the_best_ratio_of_medians() -> None:

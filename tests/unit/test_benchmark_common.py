@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 from pathlib import Path
@@ -11,15 +10,13 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import benchmark_module
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _common() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_common", REPO / "benchmarks" / "common.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("common")
 
 
 def test_paired_ratio_is_the_median_of_per_round_ratios_not_a_ratio_of_medians() -> None:
