@@ -153,7 +153,7 @@ class DeterminedTrial(Trial):
                 raise TrialError("an optimizer given to context.wrap_optimizer() optimizes parameters that are not "
                                  "a wrapped model's; build it over the model context.wrap_model() returned")
         if self.eager:
-            return WrappedOptimizers(self.det_context.optimizers)
+            return WrappedOptimizers(self.det_context.optimizers, self.det_context._held_back)
         return self.det_context.optimizers[0]
 
     def build_lr_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:

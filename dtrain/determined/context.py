@@ -46,6 +46,8 @@ class PyTorchTrialContext:
         self._inside_target = False
         self._loss: torch.Tensor | None = None
         self._stepped: list[torch.optim.Optimizer] = []
+        # eager: optimizers whose step was held back for a non-finite gradient; dtrain's guard decides (eager.py)
+        self._held_back: list[torch.optim.Optimizer] = []
         self._clip: Callable[[Iterator[nn.Parameter]], None] | None = None
         self._averages: list[bool] = []  # per optimizer, in wrap order
         self._eager = False  # the trial steps its models itself (several models or optimizers; eager.py)
@@ -283,6 +285,7 @@ class PyTorchTrialContext:
         if not self._communicate:
             return  # gradients keep accumulating until the update's last batch
         from dtrain.determined.eager import average_gradients
+        from dtrain.train.guard import gradients_finite
 
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         average_gradients(parameters, self._ctx.world_size)
@@ -293,7 +296,10 @@ class PyTorchTrialContext:
                     p.grad.div_(frequency)
         scaler = scaler if scaler is not None else self._scaler
         if scaler is not None and scaler.is_enabled():
-            scaler.unscale_(optimizer)
+            scaler.unscale_(optimizer)  # a non-finite gradient: scaler.step skips the step and the scale falls
+        elif not gradients_finite(parameters):
+            self._held_back.append(optimizer)  # not stepped, not zeroed: dtrain's guard sees it after train_batch
+            return
         if clip_grads is not None:
             clip_grads(iter(parameters))
         if scaler is not None and scaler.is_enabled():

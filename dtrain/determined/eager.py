@@ -13,7 +13,13 @@ the point the trial asks (`eager` mode):
   per call, as Determined's Horovod backend synchronizes each optimizer in `step_optimizer`), divides them by
   `aggregation_frequency` when that optimizer averages aggregated gradients, applies `clip_grads`, steps, and
   zeroes that optimizer's gradients (`auto_zero_grads`);
-- the wrapped LR schedulers are stepped after each train_batch by their `StepMode`.
+- the wrapped LR schedulers are stepped after each train_batch by their `StepMode`;
+- a non-finite averaged gradient (NaN or infinity) holds that optimizer's step back: it is neither clipped, stepped
+  nor zeroed, so dtrain's guard sees the gradient after train_batch and applies `nan_policy` as for any Trial
+  (abort: stop with the one-line error; skip: the held-back gradients are dropped, counted in
+  `nan_steps_skipped`, at most `max_consecutive_nan_skips` in a row). The averaged gradient is the same on every
+  rank, so every rank holds back the same steps. The optimizers whose gradients were finite have stepped already
+  (Determined's order); with a GradScaler, `scaler.step` skips the step itself, as in Determined.
 
 What the Trainer sees is the container `WrappedModels` (every model as `model_<i>`, Determined's names, so one
 state_dict and one strategy wrapper hold them all), `WrappedOptimizers` (every optimizer's state in one
@@ -49,11 +55,15 @@ class WrappedModels(nn.Module):
 
 class WrappedOptimizers(torch.optim.Optimizer):
     """Every optimizer the trial wrapped, seen by dtrain as one: `param_groups` are theirs (the first one's
-    rate is the one reported), `state_dict` holds each one's. `step` and `zero_grad` do nothing: the trial's
-    `context.step_optimizer` calls stepped and zeroed them inside train_batch."""
+    rate is the one reported), `state_dict` holds each one's. `step` does nothing: the trial's
+    `context.step_optimizer` calls stepped them inside train_batch. `zero_grad` (after dtrain's guard decided the
+    update) zeroes only the optimizers in `held_back`, whose step the context held back for a non-finite gradient;
+    the others were zeroed, or kept on purpose (`auto_zero_grads=False`), by the trial's own calls."""
 
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:  # no super().__init__: no params
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer],  # no super().__init__: no params
+                 held_back: list[torch.optim.Optimizer] | None = None) -> None:
         self.optimizers = list(optimizers)
+        self.held_back = held_back if held_back is not None else []
         self.defaults: dict[str, Any] = {}
         self.state: defaultdict[torch.Tensor, Any] = defaultdict(dict)
         self.param_groups = [group for optimizer in self.optimizers for group in optimizer.param_groups]
@@ -65,7 +75,9 @@ class WrappedOptimizers(torch.optim.Optimizer):
         del closure
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        del set_to_none
+        for optimizer in self.held_back:
+            optimizer.zero_grad(set_to_none=set_to_none)
+        self.held_back.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizers": [optimizer.state_dict() for optimizer in self.optimizers]}

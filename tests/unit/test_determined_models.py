@@ -1,7 +1,8 @@
 """A PyTorchTrial with several models and optimizers (tests/determined_trials/gan_def.py), in one process: it trains
 like a plain torch loop written with Determined's semantics (gan_reference.py) with and without gradient
 aggregation and averaging, its checkpoints hold every model, optimizer and scheduler, a run resumed from one ends
-where an uninterrupted run does, and settings that need dtrain to own the step are one line."""
+where an uninterrupted run does, settings that need dtrain to own the step are one line, and a non-finite gradient
+goes through dtrain's guard (`nan_policy`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from dtrain.errors import ConfigError
+from dtrain.errors import ConfigError, TrainingDiverged
 from dtrain.train.checkpoint import find_resume_checkpoint, load_checkpoint
 from dtrain.train.trainer import Trainer
 from tests.unit.determined_support import train, trials_on_path
@@ -136,3 +137,48 @@ def test_a_grad_scaler_with_two_optimizers_is_exact(tmp_path: Path) -> None:
     assert summary["status"] == "completed"
     assert _max_difference(scaled.model.state_dict(), plain.model.state_dict()) == 0.0
     assert scaled.trial.det_trial.scaler._get_growth_tracker() == 8  # one update per batch, none overflowed
+
+
+def _generator_trial(at_batch: int, *, poisoned: bool) -> type:
+    """The GAN trial whose generator loss at `at_batch` is NaN (`poisoned`), or whose generator is simply not
+    stepped at that batch (the reference: what skipping that step means)."""
+    from gan_def import AdversarialTrial, adversarial_losses, clip, generator_loss
+
+    class Generator(AdversarialTrial):
+        def train_batch(self, batch: Any, epoch_idx: int, batch_idx: int) -> dict[str, Any]:
+            inputs, targets = batch
+            critic_loss, generated = adversarial_losses(self.generator, self.critic, inputs, targets)
+            self.context.backward(critic_loss)
+            self.context.step_optimizer(self.d_opt)
+            self.critic.requires_grad_(False)
+            g_loss = generator_loss(self.critic, inputs, generated, targets)
+            if batch_idx == at_batch and poisoned:
+                g_loss = g_loss * float("nan")
+            if batch_idx != at_batch or poisoned:
+                self.context.backward(g_loss)
+            self.critic.requires_grad_(True)
+            if batch_idx != at_batch or poisoned:
+                self.context.step_optimizer(self.g_opt, clip_grads=clip)
+            return {"critic_loss": critic_loss, "generator_loss": g_loss.detach().nan_to_num()}
+
+    return Generator.__dtrain_trial__()
+
+
+def test_a_non_finite_gradient_with_nan_policy_skip_skips_that_optimizer_s_step(tmp_path: Path) -> None:
+    """The generator's NaN gradient at batch 5 is held back, dtrain's guard skips it (counted once) and drops it:
+    the run ends exactly where a run that never stepped the generator at batch 5 ends; the critic stepped at batch
+    5 in both."""
+    poisoned, summary = _train(tmp_path / "nan", _generator_trial(4, poisoned=True), nan_policy="skip")
+    assert summary["status"] == "completed" and summary["nan_steps_skipped"] == 1
+    reference, _ = _train(tmp_path / "reference", _generator_trial(4, poisoned=False))
+    trained = {k: v.clone() for k, v in poisoned.model.state_dict().items()}
+    assert all(bool(torch.isfinite(v).all()) for v in trained.values())
+    assert _max_difference(trained, reference.model.state_dict()) == 0.0
+    plain, _ = _train(tmp_path / "plain", _recording_trial()[0])
+    assert _max_difference(trained, plain.model.state_dict()) > 1e-6  # the skip changed something: this can fail
+
+
+def test_a_non_finite_gradient_with_nan_policy_abort_stops_with_one_line(tmp_path: Path) -> None:
+    with pytest.raises(TrainingDiverged, match=r"batch 5: the gradient on rank 0 is not finite .*nan_policy abort"):
+        _train(tmp_path / "nan", _generator_trial(4, poisoned=True))
+
