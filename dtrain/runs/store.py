@@ -69,16 +69,33 @@ class ExperimentRow:
     created_at: float
 
 
+BUSY_TIMEOUT_S = 30.0  # how long a statement waits for another process's write before failing
+
+
 class RunStore:
     """A thin typed layer over the SQLite file; each call is one short transaction."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA busy_timeout=30000")
+        self._conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+        self._switch_to_wal()
         self._conn.executescript(SCHEMA)
+
+    def _switch_to_wal(self) -> None:
+        """Put the file in WAL mode (readers never block the writer). SQLite answers "database is locked" at once,
+        without waiting, when the switch meets another connection's write on a file still in rollback mode: two
+        processes creating a new store side by side (two searches started together) met it. Wait and retry, as
+        the busy timeout does for every other statement."""
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        while True:
+            try:
+                self._conn.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as error:
+                if "locked" not in str(error) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def close(self) -> None:
         self._conn.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,25 @@ from dtrain.runs.store import RunStore
 RAW = {"name": "s", "entrypoint": "m:T", "hyperparameters": {"global_batch_size": 8},
        "searcher": {"max_length": {"batches": 3}}}
 
+
+
+def test_a_new_store_waits_for_another_process_s_write_instead_of_failing(tmp_path: Path) -> None:
+    """A new file in rollback mode with a write open on another connection: SQLite refuses the switch to WAL at
+    once ("database is locked", no busy wait); RunStore waits for the write to end (two searches started side by
+    side create one store together). The other connection stands for the other process."""
+    path = tmp_path / "metrics.db"
+    writer = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    writer.execute("BEGIN IMMEDIATE")
+    writer.execute("CREATE TABLE other_process (i INTEGER)")
+    with pytest.raises(sqlite3.OperationalError, match="locked"):  # what SQLite itself does: the case is real
+        sqlite3.connect(path, timeout=5.0, isolation_level=None).execute("PRAGMA journal_mode=WAL")
+    committed = threading.Timer(0.3, lambda: writer.execute("COMMIT"))
+    committed.start()
+    store = RunStore(path)
+    committed.join()
+    assert store._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert store.create_experiment("e", "", "name: e\n") == 1
+    writer.close()
 
 def test_experiments_trials_and_metrics(tmp_path: Path) -> None:
     store = RunStore(tmp_path / "m.db")
