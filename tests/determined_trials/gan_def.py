@@ -67,13 +67,29 @@ class AdversarialTrial(pytorch.PyTorchTrial):
         self.context.backward(critic_loss)
         self.context.step_optimizer(self.d_opt)
         self.critic.requires_grad_(False)
-        g_loss = generator_loss(self.critic, inputs, generated, targets)
+        g_loss = self.generator_objective(generator_loss(self.critic, inputs, generated, targets), batch_idx)
         self.context.backward(g_loss)
         self.critic.requires_grad_(True)
         self.context.step_optimizer(self.g_opt, clip_grads=clip)
         return {"critic_loss": critic_loss, "generator_loss": g_loss}
 
+    def generator_objective(self, g_loss: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        """The loss the generator is trained on at `batch_idx` (subclasses change it)."""
+        del batch_idx
+        return g_loss
+
     def evaluate_full_dataset(self, data_loader: torch.utils.data.DataLoader) -> dict[str, Any]:
         errors = torch.cat([self.generator(inputs) - targets for inputs, targets in data_loader])
         return {"validation_loss": float(errors.pow(2).mean()), "records": len(errors),
                 "rank": self.context.distributed.get_rank()}
+
+
+class PoisonedOnRankOneTrial(AdversarialTrial):
+    """The same trial whose generator loss is NaN at batch 4 on slot 1 only: the averaged gradient is then NaN on
+    every slot, and a framework that checks only its own slot's gradient would step one replica with NaN."""
+
+    def generator_objective(self, g_loss: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 4 and self.context.distributed.get_rank() == 1:
+            return g_loss * float("nan")
+        return g_loss
+

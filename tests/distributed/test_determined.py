@@ -2,7 +2,8 @@
 slots: the legacy PyTorchTrial (also with a worker SIGKILLed and restarted) and the Trainer-API script end within
 1e-9 (float64) of the same model written as a native dtrain Trial on 1 slot; a PyTorchTrial with two models and two
 optimizers (gan_def.py) on 2 slots with gradient aggregation ends within 1e-9 of a plain torch loop in one process
-(gan_reference.py); the Core API script on 2 slots and on
+(gan_reference.py), and with a NaN generator loss on one slot it skips that step on both (nan_policy skip); the
+Core API script on 2 slots and on
 1 slot, killed with SIGKILL mid-run and resumed from `latest_checkpoint` by the restart, end at the same weights;
 adaptive ASHA stops Trainer-API and Core API trials where the searcher says (two searches side by side); a
 script that uses no Determined API runs on every slot. The legacy trial's reducer (a median over both slots'
@@ -33,6 +34,7 @@ RUNS: dict[str, tuple[str, list[str]]] = {
                                     "--set", "entrypoint=python3 core_train.py --kill-at 6"]),
     "native-1": ("native.yaml", ["--set", "resources.slots_per_trial=1"]),
     "gan-2": ("gan.yaml", []),
+    "gan-2-nan": ("gan.yaml", ["--set", "entrypoint=gan_def:PoisonedOnRankOneTrial", "--set", "nan_policy=skip"]),
     "legacy-2": ("const.yaml", []),
     "trainer-1": ("trainer.yaml", ["--set", "resources.slots_per_trial=1"]),
     "trainer-2": ("trainer.yaml", []),
@@ -256,3 +258,16 @@ def test_two_models_and_optimizers_on_two_slots_match_a_one_process_loop(
     metrics = summary["validation_history"][-1]["metrics"]  # type: ignore[index]
     assert metrics["records"] == 64 and metrics["rank"] == 0
     assert abs(metrics["validation_loss"] - loss) <= 1e-12
+
+
+def test_a_nan_on_one_slot_of_a_two_model_trial_is_skipped_on_both(
+        runs: dict[str, tuple[Path, subprocess.CompletedProcess[str]]]) -> None:
+    """gan_def.PoisonedOnRankOneTrial: slot 1's generator loss is NaN at batch 4 (the update of batches 4-5). The
+    averaged gradient is NaN on both slots, both hold the generator's step back, dtrain's guard skips it once, and
+    the replicas end identical and finite, apart from the run without the NaN."""
+    summary = _completed(runs, "gan-2-nan")
+    assert summary["nan_steps_skipped"] == 1 and summary["replicas_identical"] is True
+    trained = _trainer_weights(runs, "gan-2-nan")
+    assert all(bool(torch.isfinite(value).all()) for value in trained.values())
+    assert _max_difference(trained, _trainer_weights(runs, "gan-2")) > 1e-6
+
