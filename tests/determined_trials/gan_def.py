@@ -68,15 +68,22 @@ class AdversarialTrial(pytorch.PyTorchTrial):
         self.context.step_optimizer(self.d_opt)
         self.critic.requires_grad_(False)
         g_loss = self.generator_objective(generator_loss(self.critic, inputs, generated, targets), batch_idx)
-        self.context.backward(g_loss)
+        if self.steps_generator(batch_idx):
+            self.context.backward(g_loss)
         self.critic.requires_grad_(True)
-        self.context.step_optimizer(self.g_opt, clip_grads=clip)
+        if self.steps_generator(batch_idx):
+            self.context.step_optimizer(self.g_opt, clip_grads=clip)
         return {"critic_loss": critic_loss, "generator_loss": g_loss}
 
     def generator_objective(self, g_loss: torch.Tensor, batch_idx: int) -> torch.Tensor:
         """The loss the generator is trained on at `batch_idx` (subclasses change it)."""
         del batch_idx
         return g_loss
+
+    def steps_generator(self, batch_idx: int) -> bool:
+        """Whether the generator learns from `batch_idx` at all (subclasses leave some out)."""
+        del batch_idx
+        return True
 
     def evaluate_full_dataset(self, data_loader: torch.utils.data.DataLoader) -> dict[str, Any]:
         errors = torch.cat([self.generator(inputs) - targets for inputs, targets in data_loader])

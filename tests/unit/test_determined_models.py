@@ -142,24 +142,14 @@ def test_a_grad_scaler_with_two_optimizers_is_exact(tmp_path: Path) -> None:
 def _generator_trial(at_batch: int, *, poisoned: bool) -> type:
     """The GAN trial whose generator loss at `at_batch` is NaN (`poisoned`), or whose generator is simply not
     stepped at that batch (the reference: what skipping that step means)."""
-    from gan_def import AdversarialTrial, adversarial_losses, clip, generator_loss
+    from gan_def import AdversarialTrial
 
     class Generator(AdversarialTrial):
-        def train_batch(self, batch: Any, epoch_idx: int, batch_idx: int) -> dict[str, Any]:
-            inputs, targets = batch
-            critic_loss, generated = adversarial_losses(self.generator, self.critic, inputs, targets)
-            self.context.backward(critic_loss)
-            self.context.step_optimizer(self.d_opt)
-            self.critic.requires_grad_(False)
-            g_loss = generator_loss(self.critic, inputs, generated, targets)
-            if batch_idx == at_batch and poisoned:
-                g_loss = g_loss * float("nan")
-            if batch_idx != at_batch or poisoned:
-                self.context.backward(g_loss)
-            self.critic.requires_grad_(True)
-            if batch_idx != at_batch or poisoned:
-                self.context.step_optimizer(self.g_opt, clip_grads=clip)
-            return {"critic_loss": critic_loss, "generator_loss": g_loss.detach().nan_to_num()}
+        def generator_objective(self, g_loss: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return g_loss * float("nan") if batch_idx == at_batch and poisoned else g_loss
+
+        def steps_generator(self, batch_idx: int) -> bool:
+            return batch_idx != at_batch or poisoned
 
     return Generator.__dtrain_trial__()
 
