@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate per worker, both sides (default 0.05)")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, both sides (default 0.9)")
     parser.add_argument("--epochs", type=int, default=3, help="epochs per run (default 3)")
+    parser.add_argument("--results-name", help="results file name (default horovod_accuracy, or _quick with --quick)")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.epochs = 1, 1
@@ -99,8 +100,13 @@ def main() -> None:
                 "dtrain_run_accuracy_per_round": [by_round[r][labels[1]] for r in sorted(by_round)],
                 "target": "accuracy_gap_points <= 0.5", "epochs": args.epochs, "rounds": args.rounds,
                 "seeds": sorted({row["seed"] for row in rows}), "workers": 2}
+    name = args.results_name or ("horovod_accuracy_quick" if args.quick else "horovod_accuracy")
+    flags = "".join(f" {flag}" for flag, used in (("--quick", args.quick),) if used) + "".join(
+        f" {flag} {value}" for flag, value, default in (("--rounds", args.rounds, 4), ("--epochs", args.epochs, 3),
+                                                        ("--results-name", args.results_name, None))
+        if value != default)
     markdown = "\n\n".join([
-        "# horovod_accuracy",
+        f"# {name}",
         f"tests/horovod_scripts/fashion_mnist.py under `dtrain horovodrun -np 2` against the same training as a "
         f"Trial under `dtrain run`, {args.epochs} epoch(s), {args.rounds} alternated round(s), seed = round + 1.",
         f"**accuracy gap: {headline['accuracy_gap_points']:.2f} points** (|difference of the means over the seeds|; "
@@ -108,10 +114,8 @@ def main() -> None:
         f"lr {args.lr:g} per worker, momentum {args.momentum:g} on both sides.",
         markdown_table(["variant", "round", "seed", "test accuracy"],
                        [[r["variant"], r["repeat"], r["seed"], r["accuracy"]] for r in rows]),
-        f"Reproduce: `flock /tmp/dtrain-bench.lock .venv/bin/python benchmarks/horovod_accuracy.py"
-        f"{' --quick' if args.quick else ''}`"])
-    path = write_results("horovod_accuracy_quick" if args.quick else "horovod_accuracy", headline, rows, markdown,
-                         machine_info())
+        f"Reproduce: `flock /tmp/dtrain-bench.lock .venv/bin/python benchmarks/horovod_accuracy.py{flags}`"])
+    path = write_results(name, headline, rows, markdown, machine_info())
     print(markdown)
     print(f"wrote {path}")
 
