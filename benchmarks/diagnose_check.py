@@ -85,8 +85,8 @@ ATTEMPTS = 2  # a worker pair that crashes is run once more, and the retry is re
 
 def run_worker(flag: str, blocks: int, block_steps: int, workdir: Path, wrap: Any = None) -> dict[str, Any]:
     """Run this file's `flag` worker in 2 torchrun processes (inside a namespace when `wrap` is its `wrap`) and
-    return the JSON its rank 0 wrote, with `attempts`: a pair that crashed (a gloo worker once aborted in
-    teardown on this machine, losing the rounds before it) is started again, at most `ATTEMPTS` times in all."""
+    return the JSON its rank 0 wrote, with `attempts`: a pair that crashed (a gloo worker once aborted near the
+    end of its run on this machine, losing the rounds before it) is started again, at most `ATTEMPTS` times."""
     from common import dtrain_run_malloc
 
     # dtrain's workers start with its malloc settings (no page faults for the gradients each step); these loops get

@@ -101,9 +101,9 @@ def main() -> None:
                 "target": "accuracy_gap_points <= 0.5", "epochs": args.epochs, "rounds": args.rounds,
                 "seeds": sorted({row["seed"] for row in rows}), "workers": 2}
     name = args.results_name or ("horovod_accuracy_quick" if args.quick else "horovod_accuracy")
-    flags = "".join(f" {flag}" for flag, used in (("--quick", args.quick),) if used) + "".join(
-        f" {flag} {value}" for flag, value, default in (("--rounds", args.rounds, 4), ("--epochs", args.epochs, 3),
-                                                        ("--results-name", args.results_name, None))
+    settings = [] if args.quick else [("--rounds", args.rounds, 4), ("--epochs", args.epochs, 3)]  # quick sets both
+    flags = (" --quick" if args.quick else "") + "".join(
+        f" {flag} {value}" for flag, value, default in [*settings, ("--results-name", args.results_name, None)]
         if value != default)
     markdown = "\n\n".join([
         f"# {name}",

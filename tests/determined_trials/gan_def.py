@@ -99,4 +99,3 @@ class PoisonedOnRankOneTrial(AdversarialTrial):
         if batch_idx == 4 and self.context.distributed.get_rank() == 1:
             return g_loss * float("nan")
         return g_loss
-

@@ -270,4 +270,3 @@ def test_a_nan_on_one_slot_of_a_two_model_trial_is_skipped_on_both(
     trained = _trainer_weights(runs, "gan-2-nan")
     assert all(bool(torch.isfinite(value).all()) for value in trained.values())
     assert _max_difference(trained, _trainer_weights(runs, "gan-2")) > 1e-6
-

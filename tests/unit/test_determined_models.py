@@ -171,4 +171,3 @@ def test_a_non_finite_gradient_with_nan_policy_skip_skips_that_optimizer_s_step(
 def test_a_non_finite_gradient_with_nan_policy_abort_stops_with_one_line(tmp_path: Path) -> None:
     with pytest.raises(TrainingDiverged, match=r"batch 5: the gradient on rank 0 is not finite .*nan_policy abort"):
         _train(tmp_path / "nan", _generator_trial(4, poisoned=True))
-

@@ -18,7 +18,6 @@ RAW = {"name": "s", "entrypoint": "m:T", "hyperparameters": {"global_batch_size"
        "searcher": {"max_length": {"batches": 3}}}
 
 
-
 def test_a_new_store_waits_for_another_process_s_write_instead_of_failing(tmp_path: Path) -> None:
     """A new file in rollback mode with a write open on another connection: SQLite refuses the switch to WAL at
     once ("database is locked", no busy wait); RunStore waits for the write to end (two searches started side by
@@ -36,6 +35,7 @@ def test_a_new_store_waits_for_another_process_s_write_instead_of_failing(tmp_pa
     assert store._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert store.create_experiment("e", "", "name: e\n") == 1
     writer.close()
+
 
 def test_experiments_trials_and_metrics(tmp_path: Path) -> None:
     store = RunStore(tmp_path / "m.db")
