@@ -1,5 +1,7 @@
-"""The user docs stay short, linked and followable: the README fits on a few screens, every relative link in the
-README and docs/ leads to a file (and heading) that exists, and no page sends a reader to notes they cannot read."""
+"""The user docs stay short, linked and followable: the README fits on a few screens, its tables hold a verdict of a
+line per cell and no commit hashes (figures live in docs/benchmarks.md, history in benchmarks/results/*_notes.md),
+every relative link in the README and docs/ leads to a file (and heading) that exists, and no page sends a reader to
+notes they cannot read."""
 
 from __future__ import annotations
 
@@ -12,11 +14,16 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 README_MAX_LINES = 220
+README_MAX_CELL = 200  # characters in one table cell: a verdict, not a lab note
+README_MAX_TABLE_ROWS = 20  # body rows of one README table: the capability table fits one screen
 
 FENCED_CODE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.MULTILINE)
+# A commit hash as people paste it: 7 to 40 lower-case hex digits holding at least one digit and one letter a-f.
+# An English word has no digit and a number has no letter, so neither can match; `deadbeef` or `1234567` would not.
+COMMIT_LIKE = re.compile(r"(?<![\w-])(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}(?![\w-])")
 
 
 def prose(text: str) -> str:
@@ -27,6 +34,26 @@ def prose(text: str) -> str:
 def relative_links(text: str) -> list[str]:
     """Link targets that point into the repository (not URLs, not mail)."""
     return [target for target in LINK.findall(prose(text)) if not re.match(r"[a-z][a-z0-9+.-]*:", target)]
+
+
+def table_rows(text: str) -> list[list[list[str]]]:
+    """Each Markdown table of `text` as its body rows, a row as its cells, split at every `|` (as the stop hook does:
+    a pipe inside a code span splits too, which only makes cells shorter)."""
+    tables: list[list[list[str]]] = []
+    previous = ""
+    for line in FENCED_CODE.sub("", text).splitlines():
+        if line.startswith("|"):
+            if not previous.startswith("|"):
+                tables.append([])
+            if not re.fullmatch(r"[|\s:-]+", line):
+                tables[-1].append([cell.strip() for cell in line.split("|")[1:-1]])
+        previous = line
+    return [rows[1:] for rows in tables]  # the first row is the header
+
+
+def commit_like_words(text: str) -> list[str]:
+    """Words of `text` that read as commit hashes."""
+    return COMMIT_LIKE.findall(text)
 
 
 def github_anchor(heading: str) -> str:
@@ -50,6 +77,32 @@ def anchors(page: Path) -> set[str]:
 def test_the_readme_is_short() -> None:
     lines = README.read_text().count("\n")
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move detail into docs/ (limit {README_MAX_LINES})"
+
+
+def test_readme_table_cells_are_a_verdict_of_a_line() -> None:
+    long = [cell[:60] + "..." for table in table_rows(README.read_text()) for row in table for cell in row
+            if len(cell) > README_MAX_CELL]
+    assert not long, (f"README.md has table cells over {README_MAX_CELL} characters: {long}; give a verdict of a line "
+                      "and move the figures to docs/benchmarks.md, the history to benchmarks/results/*_notes.md")
+
+
+def test_readme_tables_fit_one_screen() -> None:
+    sizes = [len(table) for table in table_rows(README.read_text())]
+    assert sizes and max(sizes) <= README_MAX_TABLE_ROWS, f"README.md tables have {sizes} rows (at most " \
+        f"{README_MAX_TABLE_ROWS}: one screen); merge rows or move detail into docs/"
+
+
+def test_the_readme_names_no_commit() -> None:
+    found = commit_like_words(README.read_text())
+    assert not found, f"README.md names commits {found}: a reader cannot use them; results and notes carry them"
+
+
+def test_the_readme_checks_see_long_cells_and_hashes() -> None:
+    page = ("| A | B |\n|---|---|\n| x | " + "y" * 201 + " |\n\n```\n| not | a table |\n```\n| C |\n|:-:|\n| z |\n")
+    assert [[len(cell) for cell in row] for table in table_rows(page) for row in table] == [[1, 201], [1]]
+    assert commit_like_words("at 27fc597, (b355ea7) and 0123456789abcdef0123456789abcdef01234567.") == [
+        "27fc597", "b355ea7", "0123456789abcdef0123456789abcdef01234567"]
+    assert commit_like_words("deadbeef faced 1234567 1,872 fp16 bf16 dtrain-27fc597x ab12cd3-x 10.5e3") == []
 
 
 def test_the_readme_names_the_two_make_targets() -> None:
