@@ -20,6 +20,7 @@ from dtrain.comm.topology import JOB_STORE_ENV, bind_loopback
 from dtrain.config import ExperimentConfig
 from dtrain.errors import ExitCode, LaunchError
 from dtrain.runs.fatal import FATAL_FILE, read_fatal
+from dtrain.runs.processes import threads_per_process
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,9 @@ def malloc_environment(trim_threshold_mb: int | None, user_settings: dict[str, s
 
 def _worker_environment(nproc_per_node: int, network_interface: str | None = None,
                         malloc_trim_threshold_mb: int | None = None) -> None:
-    """Variables every worker inherits: thread count, malloc settings, this node's network interface, and a
-    marker for the worker."""
+    """Variables every worker inherits: thread count (the host's cores shared by every process dtrain runs here,
+    a search's concurrent trials included), malloc settings, this node's network interface, and a marker for the
+    worker."""
     os.environ["DTRAIN_LAUNCHER"] = "1"
     for name in _MALLOC_SETTINGS:  # a previous run of this process (a search's trials) may have set them
         if name not in _USER_MALLOC_SETTINGS:
@@ -94,9 +96,8 @@ def _worker_environment(nproc_per_node: int, network_interface: str | None = Non
     os.environ.update(malloc_environment(malloc_trim_threshold_mb))
     if network_interface:
         os.environ["DTRAIN_NETWORK_INTERFACE"] = network_interface
-    if "OMP_NUM_THREADS" not in os.environ:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        os.environ["OMP_NUM_THREADS"] = str(max(cores // nproc_per_node, 1))
+    if "OMP_NUM_THREADS" not in os.environ:  # the user's own setting wins
+        os.environ["OMP_NUM_THREADS"] = str(threads_per_process(nproc_per_node, os.environ))
 
 
 def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> LaunchResult:

@@ -172,6 +172,7 @@ def _command_summary(info: Any, summary: dict[str, Any], started: float, world_s
 def _run_search(args: argparse.Namespace) -> int:
     """`dtrain run` of a search: its trials, each an ordinary run, on this machine's slots (docs/search.md)."""
 
+    from dtrain.runs.processes import host_cores
     from dtrain.runs.rundir import runs_root
     from dtrain.search.runner import SearchRunner, raw_config
 
@@ -180,8 +181,7 @@ def _run_search(args: argparse.Namespace) -> int:
                           "--rdzv-endpoint, --run-dir and --experiment-id (use --search-dir for where the trials go, "
                           "--storage to share the study with other machines)")
     raw = raw_config(args.config, args.overrides)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    slots = args.slots or cores
+    slots = args.slots or host_cores()
     if slots < 1:
         raise ConfigError(f"--slots {slots}: at least 1")
     name = str(raw.get("name") or Path(args.config).stem)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dtrain.errors import LaunchError
+from dtrain.runs.processes import threads_per_process
 
 LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
 
@@ -168,8 +169,7 @@ def launch(run: HorovodRun) -> int:
     state_dir = Path(tempfile.mkdtemp(prefix="dtrain-horovodrun-"))
     os.environ.update(environment(run, state_dir))
     if "OMP_NUM_THREADS" not in os.environ:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        os.environ["OMP_NUM_THREADS"] = str(max(cores // nproc, 1))
+        os.environ["OMP_NUM_THREADS"] = str(threads_per_process(nproc, os.environ))
     restarts = run.reset_limit if run.reset_limit is not None else (3 if run.elastic else 0)
     run_id = state_dir.name if nodes == 1 else f"dtrain-horovodrun-{master}-{run.master_port}"  # the same on every host
     config = LaunchConfig(min_nodes=nodes, max_nodes=nodes, nproc_per_node=nproc, run_id=run_id,

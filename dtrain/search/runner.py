@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.errors import ConfigError, ExitCode
-from dtrain.runs.processes import process_alive
+from dtrain.runs.processes import CONCURRENT_RUNS_ENV, process_alive
 from dtrain.search import asha
 from dtrain.search.link import BRACKET, INVALID, STOPPED, LinkRecord, make_pruner
 from dtrain.search.progress import SearchProgress
@@ -190,7 +190,10 @@ class SearchRunner:
         log = open(logs / f"trial-{number}.log", "a")  # noqa: SIM115 - the child holds it; closed at exit
         self.progress.started(number, params, trial.user_attrs.get(BRACKET), resumed=(run_dir / "checkpoints").is_dir())
         # a session of its own: a terminal's Ctrl-C reaches the search alone, which passes it on once
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        # the trial's processes share the cores with those of the other trials running beside it
+        environment = {**os.environ, CONCURRENT_RUNS_ENV: str(self.parallel)}
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                   env=environment)
         log.close()
         return Running(number, trial._trial_id, process, run_dir)
 

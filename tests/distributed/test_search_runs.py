@@ -6,7 +6,9 @@
 - adaptive ASHA, two trials at once: the trials it stopped are exactly those Determined's rule stops, replayed from
   the rung values in the study in the order they were recorded; a trial that raises InvalidHP ends with exit
   code 4 and another is drawn;
-- two `dtrain run --storage sqlite:///...` processes share one grid study and run disjoint trials that cover it.
+- two `dtrain run --storage sqlite:///...` processes share one grid study and run disjoint trials that cover it;
+- 4 trials on 2 slots: the compute threads of all workers running at once (read from each one's environment) never
+  add up to more than the cores.
 """
 
 from __future__ import annotations
@@ -168,3 +170,37 @@ def test_two_processes_share_one_study_and_run_disjoint_trials(tmp_path: Path) -
     wrong = subprocess.run([*DTRAIN, "run", str(FIXTURES / "digits.yaml"), "--storage", storage], capture_output=True,
                            text=True, env=subprocess_env())
     assert wrong.returncode == 2 and "searcher is single: drop them" in wrong.stderr and "Traceback" not in wrong.stderr
+
+
+def _omp_threads(pid: int) -> int | None:
+    """OMP_NUM_THREADS in process `pid`'s environment (None when it has gone or does not say)."""
+    try:
+        entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for entry in entries:
+        if entry.startswith(b"OMP_NUM_THREADS="):
+            return int(entry.split(b"=", 1)[1])
+    return None
+
+
+def test_concurrent_trials_never_take_more_compute_threads_than_the_cores(tmp_path: Path) -> None:
+    from dtrain.runs.processes import host_cores
+
+    cores = host_cores()
+    search_dir = tmp_path / "threads"
+    env = subprocess_env()
+    env.pop("OMP_NUM_THREADS", None)
+    search = subprocess.Popen([*DTRAIN, "run", str(SEARCH), "--slots", "2", "--search-dir", str(search_dir),
+                               "--set", "searcher.max_trials=4", "--set", "searcher.max_length={batches: 60}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    most_workers, most_threads = 0, 0
+    while search.poll() is None:  # every worker of every trial, read from its environment as it runs
+        workers = [_workers_of(search_dir / f"trial-{n}") for n in range(4)]
+        threads = [t for t in (_omp_threads(pid) for pids in workers for pid in pids) if t is not None]
+        most_workers, most_threads = max(most_workers, len(threads)), max(most_threads, sum(threads))
+        time.sleep(0.05)
+    output = search.stdout.read() if search.stdout else ""
+    assert search.returncode == 0, output[-3000:]
+    assert most_workers == 2, f"expected 2 trials' workers at once, saw at most {most_workers}"
+    assert most_threads <= max(cores, most_workers), (most_threads, cores)
