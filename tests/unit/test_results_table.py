@@ -1,5 +1,6 @@
-"""docs/benchmarks.md's first table is generated from benchmarks/results/*.json by benchmarks/results_table.py:
-it must be current (as the config reference is), and its verdicts must follow from the results and targets."""
+"""docs/benchmarks.md's first table, and the results tables of the subject pages (clusters, svm, sharding), are
+generated from benchmarks/results/*.json by benchmarks/results_table.py: they must be current (as the config
+reference is), and their verdicts must follow from the results and targets."""
 
 from __future__ import annotations
 
@@ -11,17 +12,30 @@ import pytest
 
 from tests.conftest import benchmark_module
 
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+PAGE = DOCS / "benchmarks.md"
+PAGES_WITH_TABLES = sorted(page for page in DOCS.glob("*.md") if "<!-- Results of " in page.read_text())
 
 
 def _table() -> ModuleType:
     return benchmark_module("results_table")
 
 
-def test_the_pages_table_is_what_the_results_give() -> None:
+@pytest.mark.parametrize("page", PAGES_WITH_TABLES, ids=[page.name for page in PAGES_WITH_TABLES])
+def test_the_pages_table_is_what_the_results_give(page: Path) -> None:
     table = _table()
-    assert table.main(["--check", str(PAGE)]) == 0, f"docs/benchmarks.md's table is stale: run `{table.COMMAND} " \
-        "--write docs/benchmarks.md`"
+    assert table.main(["--check", str(page)]) == 0, f"docs/{page.name}'s results table is stale: run " \
+        f"`{table.COMMAND} --write docs/{page.name}`"
+
+
+def test_the_benchmarks_page_holds_every_headline_and_a_subject_page_its_own() -> None:
+    table = _table()
+    assert PAGE in PAGES_WITH_TABLES
+    assert table.generate().count("\n") == len(table.HEADLINES) + 2
+    clusters = table.generate(("clusters",))
+    assert clusters.count("](benchmarks.md#clusterspy)") == clusters.count("\n") - 2 > 0
+    with pytest.raises(SystemExit, match="no headline of nothing"):
+        table.generate(("nothing",))
 
 
 def test_check_fails_on_a_stale_table_and_on_a_page_without_markers(tmp_path: Path,
