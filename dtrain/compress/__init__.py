@@ -15,11 +15,10 @@ from dtrain.compress.powersgd import PowerSGD
 from dtrain.compress.qsgd import QSGD
 from dtrain.compress.sign import SignCompression
 from dtrain.compress.topk import TopK
-from dtrain.config import CompressorName
 
-# name -> factory taking the options of `distributed.compression` that apply to it (COMPRESSION_OPTIONS);
-# the names are config's, and tests/unit/test_config_names.py checks that every one has a factory here
-REGISTRY: dict[CompressorName, Callable[..., Compressor]] = {
+# name -> factory taking the options of that compressor's config section (dtrain.config.compression) as keyword
+# arguments; tests/unit/test_config_names.py checks that every section has a factory here and the reverse
+REGISTRY: dict[str, Callable[..., Compressor]] = {
     "none": NoCompression,
     "fp16": fp16,
     "bf16": bf16,
@@ -31,7 +30,7 @@ REGISTRY: dict[CompressorName, Callable[..., Compressor]] = {
 }
 
 
-def build_compressor(name: CompressorName, **options: Any) -> Compressor:
+def build_compressor(name: str, **options: Any) -> Compressor:
     """The compressor `name` with `options` (keyword arguments of its class; unset ones take defaults)."""
     if name not in REGISTRY:
         raise ValueError(f"unknown compressor {name!r}; choose one of {', '.join(REGISTRY)}")

@@ -5,15 +5,16 @@ Determined keys that configure its cluster (containers, pools, ...) are accepted
 classic experiment file runs unchanged; any other unknown key is rejected with the closest valid key.
 
 One module per job: `base` (strict sections, Length), a module per group of sections (`training`,
-`distributed`, `large_batch`, `profiling`, `faults`), `experiment` (the whole file), `names` (the names other
+`distributed`, `compression` (one section per compressor), `large_batch`, `optimizers` (one section per
+optimizer), `profiling`, `faults`), `experiment` (the whole file), `names` (the names other
 packages implement), `ignored` (Determined's cluster keys), `loading` (YAML and `--set`), `messages` (the
 one-line errors), `gate` (features not built yet), `parallelism` (sharded and pipelined layouts,
 precision) and `reference` (docs/config-reference.md).
 """
 
 from dtrain.config.base import Length, Section
+from dtrain.config.compression import COMPRESSORS, Compression, CompressorConfig, QSGDNorm
 from dtrain.config.distributed import (
-    Compression,
     Distributed,
     Fsdp,
     Heterogeneous,
@@ -29,27 +30,22 @@ from dtrain.config.ignored import IGNORED_KEYS
 from dtrain.config.large_batch import BatchSizeSchedule, Decay, LargeBatch
 from dtrain.config.loading import LoadedConfig, apply_override, dump_config, load_config, parse_override, read_yaml
 from dtrain.config.names import (
-    COMPRESSION_OPTIONS,
-    CONFIG_OPTIMIZERS,
-    OPTIMIZER_OPTIONS,
-    CompressorName,
     DecayName,
     GrowBy,
-    OptimizerName,
     ParameterServerMode,
-    QSGDNorm,
     ReduceOp,
     ScalingRule,
     StrategyName,
 )
+from dtrain.config.optimizers import OPTIMIZERS, LargeBatchSection
 from dtrain.config.parallelism import SHARDED_STRATEGIES, effective_precision, model_parallel_size
 from dtrain.config.profiling import Profiling
 from dtrain.config.training import CheckpointStorage, DataLoaderConfig, Reproducibility, Resources, Searcher
 
-__all__ = ["COMPRESSION_OPTIONS", "CONFIG_OPTIMIZERS", "IGNORED_KEYS", "OPTIMIZER_OPTIONS", "BatchSizeSchedule",
-           "CheckpointStorage", "Compression", "CompressorName", "DataLoaderConfig", "Faults", "Decay", "DecayName",
-           "Distributed", "ExperimentConfig", "GrowBy", "Heterogeneous", "Kill", "LargeBatch", "Length",
-           "LoadedConfig", "LocalSGD", "OptimizerName", "Optimizations", "ParameterServer", "ParameterServerMode",
+__all__ = ["COMPRESSORS", "IGNORED_KEYS", "OPTIMIZERS", "BatchSizeSchedule",
+           "CheckpointStorage", "Compression", "CompressorConfig", "DataLoaderConfig", "Faults", "Decay", "DecayName",
+           "Distributed", "ExperimentConfig", "GrowBy", "Heterogeneous", "Kill", "LargeBatch", "LargeBatchSection",
+           "Length", "LoadedConfig", "LocalSGD", "Optimizations", "ParameterServer", "ParameterServerMode",
            "Profiling", "QSGDNorm", "ReduceOp", "Reproducibility", "Resources", "ScalingRule", "Searcher", "Section",
            "StrategyName", "SHARDED_STRATEGIES", "Fsdp", "Pipeline", "effective_precision", "model_parallel_size",
            "apply_override", "check_buildable", "dump_config", "is_built", "load_config",

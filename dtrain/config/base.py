@@ -8,6 +8,7 @@ inside a list (a fault-injection kill) leaves the key out, and the message trans
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -23,6 +24,16 @@ class Section(BaseModel):
     """Base of every config section: unknown keys are errors, numbers given for strings become strings."""
 
     model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, validate_assignment=True)
+
+
+def picked_by(value: Any, key: str, default: str) -> Any:
+    """The raw input of a section picked by `key` (a discriminated union): a bare name stands for `{key: name}`
+    (`compression: fp16`), and a section that leaves `key` out gets `default` (`compression: {}` is `none`)."""
+    if isinstance(value, str):
+        return {key: value}
+    if isinstance(value, dict) and key not in value:
+        return {**value, key: default}
+    return value
 
 
 class Length(Section):

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from dtrain.config.base import DETERMINED_ONLY, Section
+from dtrain.config.base import DETERMINED_ONLY, Section, picked_by
+from dtrain.config.compression import Compression, NoCompressionConfig
 from dtrain.config.names import (
-    COMPRESSION_OPTIONS,
-    CompressorName,
     ParameterServerMode,
     PipelineScheduleName,
     PrecisionName,
-    QSGDNorm,
     ReduceOp,
     StrategyName,
 )
@@ -61,50 +59,6 @@ class Optimizations(Section):
         "M_TRIM_THRESHOLD; blocks under 32 MB then come from the heap, M_MMAP_THRESHOLD); null keeps glibc's "
         "adaptive defaults, and so do workers started with MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_ or "
         "GLIBC_TUNABLES set")
-
-
-class Compression(Section):
-    """Gradient compression for the allreduce strategy: a compressor between each gradient bucket and the wire.
-    Each option applies to the compressors named beside it (setting it for another is an error); unset options
-    take that compressor's default."""
-
-    name: CompressorName = Field(default="none", description="the compressor")
-    ratio: float | None = Field(default=None, gt=0, le=1, description="density: the fraction of entries sent")
-    error_feedback: bool | None = Field(default=None, description="keep what compression left out and add it to "
-                                                                  "the next update's gradient")
-    warmup_steps: int | None = Field(default=None, ge=0, description="updates of the sparsity warm-up (Deep "
-                                     "Gradient Compression): density falls geometrically from `warmup_start_ratio` "
-                                     "to `ratio`")
-    warmup_start_ratio: float | None = Field(default=None, gt=0, le=1, description="density at the start of the "
-                                                                                   "warm-up")
-    levels: int | None = Field(default=None, ge=1, le=127, description="s, the quantization levels (sign and level "
-                                                                        "share one byte)")
-    norm: QSGDNorm | None = Field(default=None, description="the norm each chunk is scaled by")
-    chunk_size: int | None = Field(default=None, ge=1, description="elements per chunk (qsgd: per norm)")
-    rank: int | None = Field(default=None, ge=1, description="r, the rank of the approximation")
-    start_iter: int | None = Field(default=None, ge=2, description="updates with the plain all-reduce before "
-                                                                   "compression starts")
-    warm_start: bool | None = Field(default=None, description="start each power iteration from the previous Q")
-    min_compression_rate: float | None = Field(default=None, ge=1, description="tensors that would not shrink by "
-                                                                              "this factor go in full")
-    epsilon: float | None = Field(default=None, ge=0, lt=1, description="the fraction of chunks not sent (the "
-                                                                        "least important)")
-    layer_priority: float | None = Field(default=None, ge=0, description="how much more the layers the next "
-                                         "forward pass needs first weigh (1.0: the first layer weighs 2, the last 1)")
-    seed: int | None = Field(default=None, ge=0, description="seed of the compressor's random choices")
-
-    @model_validator(mode="after")
-    def _options_apply(self) -> Compression:
-        for key, compressors in COMPRESSION_OPTIONS.items():
-            value = getattr(self, key)
-            if value is not None and self.name not in compressors:
-                raise ValueError(f"distributed.compression.{key} ({value}) applies to {' or '.join(compressors)}, "
-                                 f"not to `{self.name}`; remove it or change distributed.compression.name")
-        return self
-
-    def options(self) -> dict[str, Any]:
-        """The options set, as keyword arguments of the compressor's class."""
-        return {key: getattr(self, key) for key in COMPRESSION_OPTIONS if getattr(self, key) is not None}
 
 
 class ParameterServer(Section):
@@ -214,8 +168,10 @@ class Distributed(Section):
     fsdp: Fsdp = Field(default_factory=Fsdp, description="settings of strategy `fsdp`")
     op: ReduceOp = Field(default="average", description="how gradients are combined: `average` (the full-batch "
                          "gradient), `sum`, `adasum` (Adasum; takes no compression)")
-    compression: Compression = Field(default_factory=Compression, description="gradient compression (strategy "
-                                                                              "`allreduce`)")
+    compression: Compression = Field(
+        default_factory=NoCompressionConfig, description="gradient compression (strategy `allreduce`): a "
+        "compressor between each gradient bucket and the wire, picked by `name`, with its own options (a bare name, "
+        "`compression: fp16`, is short for `{name: fp16}`)")
     backend: Literal["auto", "gloo", "nccl"] = Field(default="auto", description="`auto`: gloo on CPU, nccl when "
                                                                                  "CUDA is present")
     timeout_seconds: float = Field(
@@ -233,3 +189,8 @@ class Distributed(Section):
     network_interface: str | None = Field(
         default=None, description="the network interface gloo uses between nodes (GLOO_SOCKET_IFNAME); unset: the "
         "one that routes to the master address (`lo` on one machine)")
+
+    @field_validator("compression", mode="before")
+    @classmethod
+    def _compressor_by_name(cls, value: Any) -> Any:
+        return picked_by(value, "name", "none")

@@ -7,11 +7,12 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from dtrain.config.base import DETERMINED_ONLY, Length, Section
-from dtrain.config.distributed import Compression, Distributed, Optimizations
+from dtrain.config.base import DETERMINED_ONLY, Length, Section, picked_by
+from dtrain.config.compression import Compression, Fp16Config
+from dtrain.config.distributed import Distributed, Optimizations
 from dtrain.config.entrypoint import Entrypoint, parse_entrypoint
 from dtrain.config.faults import Faults
-from dtrain.config.large_batch import LargeBatch
+from dtrain.config.optimizers import LargeBatchSection, TrialOptimizer
 from dtrain.config.parallelism import check_layout
 from dtrain.config.profiling import Profiling
 from dtrain.config.training import CheckpointStorage, DataLoaderConfig, Reproducibility, Resources, Searcher
@@ -66,8 +67,8 @@ class ExperimentConfig(Section):
     profiling: Profiling = Field(default_factory=Profiling, description="phase timers and the timeline")
     distributed: Distributed = Field(default_factory=Distributed, description="strategy, reduction op, compression, "
                                                                               "timeouts")
-    large_batch: LargeBatch = Field(default_factory=LargeBatch, description="optimizer, LR scaling, warm-up, decay, "
-                                                                            "batch-size schedule")
+    large_batch: LargeBatchSection = Field(default_factory=TrialOptimizer, description="optimizer, LR scaling, "
+                                           "warm-up, decay, batch-size schedule")
     faults: Faults = Field(default_factory=Faults, description="faults to inject, early stop, synthetic data")
     debug: bool = Field(default=False, description="Determined's debug flag: dtrain's workers log at DEBUG level")
 
@@ -75,6 +76,11 @@ class ExperimentConfig(Section):
     @classmethod
     def _constant_hyperparameters(cls, value: dict[str, Any]) -> dict[str, Any]:
         return {name: _constant_hparam(name, spec) for name, spec in value.items()}
+
+    @field_validator("large_batch", mode="before")
+    @classmethod
+    def _optimizer_by_name(cls, value: Any) -> Any:
+        return value if isinstance(value, str) else picked_by(value, "optimizer", "trial")
 
     @field_validator("entrypoint")
     @classmethod
@@ -157,7 +163,7 @@ class ExperimentConfig(Section):
         """The compression to use: `distributed.compression`, or fp16 for Determined's
         `optimizations.gradient_compression: true`."""
         if self.optimizations.gradient_compression and self.distributed.compression.name == "none":
-            return Compression(name="fp16")
+            return Fp16Config()
         return self.distributed.compression
 
     @model_validator(mode="after")
@@ -206,7 +212,13 @@ class ExperimentConfig(Section):
     @model_validator(mode="after")
     def _large_batch_rate(self) -> ExperimentConfig:
         lb = self.large_batch
-        if lb.optimizer == "trial" or lb.base_lr is not None:
+        if lb.optimizer == "trial":
+            return self
+        decay = self.hyperparameters.get("weight_decay", 0.0)
+        if lb.weight_decay is None and (isinstance(decay, bool) or not isinstance(decay, (int, float)) or decay < 0):
+            raise ValueError(f"hyperparameters.weight_decay ({decay!r}) is the weight decay of large_batch.optimizer "
+                             f"`{lb.optimizer}` and must be a number >= 0; fix it or set large_batch.weight_decay")
+        if lb.base_lr is not None:
             return self
         rate = self.hyperparameters.get("learning_rate")
         if rate is None:

@@ -1,5 +1,6 @@
-"""The `large_batch` section: an optimizer built from config, LR scaling, warm-up, decay, batch-size schedule.
-`dtrain.optim.build` turns it into the optimizer and the rate schedule."""
+"""The `large_batch` section's keys that every optimizer shares: the rate, LR scaling, warm-up, decay and the
+batch-size schedule. Each optimizer's own options extend it in `dtrain.config.optimizers`; `dtrain.optim.build`
+turns the section into the optimizer and the rate schedule."""
 
 from __future__ import annotations
 
@@ -8,10 +9,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from dtrain.config.base import Section
-from dtrain.config.names import OPTIMIZER_OPTIONS, DecayName, GrowBy, OptimizerName, ScalingRule
-
-# The two options that fall back on hyperparameters; the others go to the optimizer's class as they are.
-_RATE_AND_DECAY = ("base_lr", "weight_decay")
+from dtrain.config.names import DecayName, GrowBy, ScalingRule
 
 
 class Decay(Section):
@@ -77,33 +75,18 @@ class BatchSizeSchedule(Section):
 class LargeBatch(Section):
     """Large-batch recipes from the config, without writing a scheduler. With an optimizer named here dtrain
     builds it over the model's parameters and owns the rate; with `trial`, scaling, warm-up and decay multiply
-    the rates of the Trial's own optimizer. Each optimizer option applies to the optimizers named beside it
-    (setting it for another is an error)."""
+    the rates of the Trial's own optimizer. Each optimizer adds its own options beside these keys (the
+    sections below, one per `optimizer`)."""
 
-    optimizer: OptimizerName = Field(
+    optimizer: str = Field(
         default="trial", description="`trial`: the Trial's `build_optimizer`/`build_lr_scheduler`; any other: "
         "dtrain builds that optimizer (torch's sgd, radam, adam, adamw; dtrain's lars, lamb) and the Trial's two "
         "builders are not called")
     base_lr: float | None = Field(default=None, gt=0, description="the rate tuned at `base_batch_size`; unset: "
-                                                                  "`hyperparameters.learning_rate`")
+                                  "`hyperparameters.learning_rate` (only for an optimizer named here)")
     weight_decay: float | None = Field(
         default=None, ge=0, description="unset: `hyperparameters.weight_decay`, else 0; LARS and LAMB skip it on 1-D "
-        "tensors (see `exclude_bias_and_norm`)")
-    momentum: float | None = Field(default=None, ge=0, lt=1, description="unset: 0.9")
-    nesterov: bool | None = Field(default=None, description="Nesterov momentum; unset: false")
-    trust_coefficient: float | None = Field(default=None, gt=0, description="eta in eta·‖w‖/(‖g‖ + wd·‖w‖); "
-                                                                            "unset: 0.001")
-    exclude_bias_and_norm: bool | None = Field(
-        default=None, description="1-D tensors (biases, normalisation weights) get neither the trust ratio nor "
-        "weight decay; unset: true")
-    betas: tuple[float, float] | None = Field(default=None, description="unset: the optimizer's (LAMB: "
-                                                                        "[0.9, 0.999])")
-    eps: float | None = Field(default=None, gt=0, description="unset: the optimizer's (LAMB: 1e-6)")
-    bias_correction: bool | None = Field(default=None, description="Adam's bias correction; unset: true")
-    max_grad_norm: float | None = Field(default=None, gt=0, description="clip the global gradient norm to this; "
-                                                                        "unset: no clipping")
-    max_trust_ratio: float | None = Field(default=None, gt=0, description="upper bound on the trust ratio; unset: "
-                                                                          "none")
+        "tensors (see `exclude_bias_and_norm`) (only for an optimizer named here)")
     lr_scaling: ScalingRule = Field(
         default="none", description="`linear` or `sqrt`: the rate is base_lr x (B / base_batch_size) or its square "
         "root, B = records per update at the start (`global_batch_size` x `aggregation_frequency`)")
@@ -120,23 +103,8 @@ class LargeBatch(Section):
     def _decay_by_name(cls, value: Any) -> Any:
         return {"name": value} if isinstance(value, str) else value
 
-    @field_validator("betas")
-    @classmethod
-    def _betas_in_range(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
-        if value is not None and not all(0 <= b < 1 for b in value):
-            raise ValueError(f"large_batch.betas {list(value)} must both be in [0, 1); write e.g. "
-                             "`betas: [0.9, 0.999]`")
-        return value
-
     @model_validator(mode="after")
     def _coherent(self) -> LargeBatch:
-        for key, optimizers in OPTIMIZER_OPTIONS.items():
-            value = getattr(self, key)
-            if value is not None and self.optimizer not in optimizers:
-                owner = ("an optimizer named in large_batch.optimizer (the Trial's optimizer sets its own)"
-                         if self.optimizer == "trial" else f"optimizer {' or '.join(optimizers)}")
-                raise ValueError(f"large_batch.{key} ({value}) applies to {owner}, not to `{self.optimizer}`; remove "
-                                 "it or change large_batch.optimizer")
         if self.lr_scaling != "none" and self.base_batch_size is None:
             raise ValueError(f"large_batch.lr_scaling `{self.lr_scaling}` needs large_batch.base_batch_size (the "
                              "global batch the base rate was tuned at); add e.g. `base_batch_size: 128`")
@@ -155,6 +123,5 @@ class LargeBatch(Section):
         return self.lr_scaling != "none" or self.warmup_epochs > 0 or self.decay.name != "none"
 
     def optimizer_options(self) -> dict[str, Any]:
-        """The options set besides the rate and weight decay, as keyword arguments of the optimizer's class."""
-        return {key: getattr(self, key) for key in OPTIMIZER_OPTIONS
-                if key not in _RATE_AND_DECAY and getattr(self, key) is not None}
+        """The named optimizer's own options (its section's keys beyond these), as keyword arguments of its class."""
+        return {key: getattr(self, key) for key in type(self).model_fields if key not in LargeBatch.model_fields}

@@ -51,14 +51,17 @@ def explain(exc: ValidationError, override_keys: Sequence[str]) -> str:
 
 
 def _explain_one(error: Any, override_keys: Sequence[str]) -> str:
-    loc = [str(part) for part in error["loc"] if not str(part).startswith("function-")]
+    raw = [str(part) for part in error["loc"] if not str(part).startswith("function-")]
+    loc = _walk(raw)[0]
     dotted = ".".join(loc)
     origin = _origin(dotted, override_keys)
     kind = error["type"]
     value = error.get("input")
     ctx = error.get("ctx") or {}
     if kind == "extra_forbidden":
-        return _unknown_key(loc, value) + origin
+        return _unknown_key(raw, value) + origin
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        return _bad_tag(raw, ctx, origin)
     if kind == "missing":
         return f"`{dotted}` is required{origin}; add it, e.g. {_example(loc)}"
     if kind == "value_error":
@@ -85,7 +88,7 @@ def _explain_one(error: Any, override_keys: Sequence[str]) -> str:
                   "dict": "a mapping of keys", "list": "a list", "model": "a section of keys"}[family]
         if family == "model" and loc and loc[-1] not in _EXAMPLES:
             return (f"`{dotted}` = {shown}{origin} must be a section of keys; write its keys indented under "
-                    f"`{loc[-1]}:` (valid: {', '.join(_fields_at(loc))})")
+                    f"`{loc[-1]}:` (valid: {', '.join(_fields_at(raw))})")
         example = f"`{loc[-1]}: true`" if family == "bool" and loc else _example(loc)
         return f"`{dotted}` = {shown}{origin} must be {wanted}; write e.g. {example}"
     return f"`{dotted}` = {shown}{origin} is invalid: {error['msg']}; check its documented type in {REFERENCE}"
@@ -110,25 +113,78 @@ def _origin(key: str, override_keys: Sequence[str]) -> str:
     return ""
 
 
-def _unknown_key(loc: list[str], value: Any) -> str:
-    parent, key = loc[:-1], loc[-1]
-    valid = sorted(_fields_at(parent))
+def _unknown_key(raw: list[str], value: Any) -> str:
+    parent, _, picked = _walk(raw[:-1])
+    key = raw[-1]
+    if picked is not None and picked[1] is not None:  # a key of another variant: say whose it is
+        tag_key, tag, variants = picked
+        owners = [name for name, variant in variants.items() if key in variant.model_fields]
+        if owners:
+            where = ".".join(parent)
+            return (f"{where}.{key} ({value}) applies to {' or '.join(owners)}, not to `{tag}`; remove it or change "
+                    f"{where}.{tag_key}")
+    valid = sorted(_fields_at(raw[:-1]))
     near = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     where = f"section `{'.'.join(parent)}`" if parent else "the top level"
     hint = f"did you mean `{'.'.join(parent + [near[0]])}`?" if near else f"valid keys here: {', '.join(valid)}"
-    return f"unknown config key `{'.'.join(loc)}` (value {value!r}) in {where}; {hint}"
+    return f"unknown config key `{'.'.join(parent + [key])}` (value {value!r}) in {where}; {hint}"
 
 
-def _fields_at(path: list[str]) -> list[str]:
-    """The keys of the section at `path` (list indices, as in `faults.kills.0`, step into the list's items)."""
+def _bad_tag(raw: list[str], ctx: Any, origin: str) -> str:
+    """A section picked by a key (`distributed.compression.name`) given no name, or one no variant has."""
+    loc, _, picked = _walk(raw)
+    tag_key = str(ctx.get("discriminator", "name")).strip("'")
+    choices = list(picked[2]) if picked is not None else []
+    dotted = ".".join(loc + [tag_key])
+    tag = ctx.get("tag")
+    if tag is None:
+        return f"`{dotted}` is required{origin}; add it, e.g. `{tag_key}: {choices[0] if choices else '<name>'}`"
+    near = difflib.get_close_matches(str(tag), choices, n=1)
+    hint = f"did you mean `{near[0]}`?" if near else f"use one of: {', '.join(choices)}"
+    return f"`{dotted}` = {tag!r}{origin} must be one of {', '.join(choices)}; {hint}"
+
+
+def _walk(raw: list[str]) -> tuple[list[str], Any, tuple[str, str | None, dict[str, Any]] | None]:
+    """Follow pydantic's location `raw` down the sections: (the location as the file spells it, the section
+    class it ends in or None, and where it ends in a section picked by a key: that key, the name picked (None
+    when the location stops at the key's section itself) and every variant by its name).
+
+    Pydantic puts the picked variant's name after such a section: `distributed.compression.topk.ratio` is the
+    file's `distributed.compression.ratio`."""
     model: Any = ExperimentConfig
-    for part in path:
+    clean: list[str] = []
+    picked: tuple[str, str | None, dict[str, Any]] | None = None
+    parts = iter(raw)
+    for part in parts:
+        clean.append(part)
         if part.isdigit():
             continue
         info = model.model_fields.get(part) if hasattr(model, "model_fields") else None
         if info is None:
-            return []
-        model = _model_of(info.annotation)
+            model, picked = None, None
+            continue
+        variants = _variants(info)
+        if variants:
+            tag = next(parts, None)
+            model, picked = variants.get(tag) if tag is not None else None, (info.discriminator, tag, variants)
+        else:
+            model, picked = _model_of(info.annotation), None
+    return clean, model, picked
+
+
+def _variants(info: Any) -> dict[str, Any]:
+    """The sections a discriminated union field picks from, by the name that picks each ({} for other fields)."""
+    if not isinstance(info.discriminator, str):
+        return {}
+    return {arg.model_fields[info.discriminator].default: arg for arg in getattr(info.annotation, "__args__", ())}
+
+
+def _fields_at(raw: list[str]) -> list[str]:
+    """The keys of the section at pydantic's location `raw` (list indices, as in `faults.kills.0`, step into
+    the list's items; a section picked by a key gives the picked variant's keys)."""
+    _, model, picked = _walk(raw)
+    if model is None and picked is not None:  # the section picked by a key, before it is picked: any variant's
+        return list(dict.fromkeys(key for variant in picked[2].values() for key in variant.model_fields))
     return list(getattr(model, "model_fields", {}).keys())
 
 

@@ -1,8 +1,9 @@
 """Build the optimizer and the learning-rate schedule that the `large_batch:` config section names.
 
 Where the numbers come from: the base rate is `large_batch.base_lr`, else `hyperparameters.learning_rate`; weight
-decay is `large_batch.weight_decay`, else `hyperparameters.weight_decay`, else 0. Options left unset take the
-optimizer's own defaults (torch.optim's, or the papers' for LARS and LAMB).
+decay is `large_batch.weight_decay`, else `hyperparameters.weight_decay`, else 0. The optimizer's own options come
+from its config section (`dtrain.config.optimizers`), whose defaults are the optimizer's own (torch.optim's, or
+the papers' for LARS and LAMB).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import torch
 from torch import nn
 
 from dtrain.config import LargeBatch
-from dtrain.errors import ConfigError
 from dtrain.optim.lamb import LAMB
 from dtrain.optim.lars import LARS
 from dtrain.optim.lr_schedule import LRSchedule, scaling_factor
@@ -26,13 +26,9 @@ def base_rate(config: LargeBatch, hparams: Mapping[str, Any]) -> float:
 
 
 def weight_decay(config: LargeBatch, hparams: Mapping[str, Any]) -> float:
-    if config.weight_decay is not None:
-        return config.weight_decay
-    value = hparams.get("weight_decay", 0.0)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ConfigError(f"hyperparameters.weight_decay ({value!r}) is the weight decay of large_batch.optimizer "
-                          f"`{config.optimizer}` and must be a number >= 0; fix it or set large_batch.weight_decay")
-    return float(value)
+    """`large_batch.weight_decay`, else `hyperparameters.weight_decay`, else 0 (validated by the config: a number
+    >= 0 when the config names an optimizer)."""
+    return float(config.weight_decay if config.weight_decay is not None else hparams.get("weight_decay", 0.0))
 
 
 def build_optimizer(config: LargeBatch, model: nn.Module, hparams: Mapping[str, Any]) -> torch.optim.Optimizer:
@@ -42,8 +38,7 @@ def build_optimizer(config: LargeBatch, model: nn.Module, hparams: Mapping[str, 
     given = config.optimizer_options()
     name = config.optimizer
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, weight_decay=decay, momentum=given.get("momentum", 0.9),
-                               nesterov=given.get("nesterov", False))
+        return torch.optim.SGD(params, lr=lr, weight_decay=decay, **given)
     if name == "lars":
         return LARS(params, lr=lr, weight_decay=decay, **given)
     if name == "lamb":

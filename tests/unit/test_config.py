@@ -19,7 +19,7 @@ from dtrain.config import (
     load_config,
     parse_override,
 )
-from dtrain.errors import ConfigError
+from dtrain.errors import ConfigError, ExitCode
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -179,6 +179,16 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], str]] = [
                                                       "decay": {"name": "step", "milestones": [3]}}),
      "large_batch.decay.milestones"),
     ("betas out of range", config_with(large_batch={"optimizer": "lamb", "betas": [0.9, 1.5]}), "large_batch.betas"),
+    ("weight decay hyperparameter negative", config_with(hyperparameters__weight_decay=-0.1,
+                                                         large_batch={"optimizer": "sgd"}),
+     "hyperparameters.weight_decay"),
+    ("weight decay hyperparameter not a number", config_with(hyperparameters__weight_decay="lots",
+                                                             large_batch={"optimizer": "lamb"}),
+     "hyperparameters.weight_decay"),
+    ("nested option of another optimizer", config_with(large_batch={"optimizer": "sgd", "eps": 1e-6}),
+     "large_batch.eps"),
+    ("compression given as a bare unknown name", config_with(distributed={"compression": "zip"}),
+     "distributed.compression.name"),
     ("batch schedule factor 1", config_with(large_batch={"batch_size_schedule": {"epochs": [2], "factor": 1}}),
      "large_batch.batch_size_schedule"),
     ("batch schedule epochs unsorted", config_with(large_batch={"batch_size_schedule": {"epochs": [4, 2]}}),
@@ -232,6 +242,34 @@ def test_rule_message_gives_key_once_value_rule_and_fix(raw: dict[str, Any], mes
     with pytest.raises(ConfigError) as caught:
         load_config(None, raw=raw)
     assert str(caught.value) == message
+
+
+def test_hyperparameter_rules_stop_dtrain_run_before_any_worker_starts(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The weight decay a named optimizer takes from the hyperparameters is checked when the file loads (it was
+    checked in each worker, after launch)."""
+    from dtrain.cli import main
+    from tests.conftest import FIXTURES
+
+    launched: list[Any] = []
+    monkeypatch.setattr("dtrain.launch.launch_workers", lambda *args: launched.append(args))
+    code = main(["run", str(FIXTURES / "digits.yaml"), "--run-dir", str(tmp_path / "run"), "--set",
+                 "large_batch.optimizer=sgd", "--set", "hyperparameters.weight_decay=-0.1"])
+    assert code == ExitCode.USER_ERROR and not launched
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["dtrain: error: hyperparameters.weight_decay (-0.1) is the weight decay of large_batch.optimizer "
+                   "`sgd` and must be a number >= 0; fix it or set large_batch.weight_decay (from --set)"], err
+
+
+def test_compression_and_optimizer_sections_take_their_defaults_and_short_forms() -> None:
+    config = load_config(None, raw=config_with(distributed={"compression": "powersgd"},
+                                               large_batch={"optimizer": "lars", "momentum": 0.8})).config
+    assert config.distributed.compression.options() == {"rank": 4, "start_iter": 10, "min_compression_rate": 2.0,
+                                                        "error_feedback": True, "warm_start": True, "seed": 0}
+    assert config.large_batch.optimizer_options() == {"momentum": 0.8, "trust_coefficient": 0.001,
+                                                      "exclude_bias_and_norm": True}
+    assert load_config(None, raw=config_with(distributed={"compression": {}})).config.compression.name == "none"
+    assert load_config(None, raw=config_with(large_batch={})).config.large_batch.optimizer == "trial"
 
 
 def test_unknown_key_message_suggests_fix() -> None:

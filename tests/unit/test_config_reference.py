@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from dtrain.config import ExperimentConfig, Length
+from dtrain.config import COMPRESSORS, OPTIMIZERS, ExperimentConfig, Length
 from dtrain.config.reference import COMMAND, generate, main
 
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "config-reference.md"
@@ -44,11 +44,24 @@ def test_reference_marks_what_is_not_built_and_which_option_belongs_to_whom() ->
     assert "`O3` (not built yet)" in rows["optimizations.mixed_precision"]
     assert "`local_sgd`," in rows["distributed.strategy"]
     assert "`parameter_server`," in rows["distributed.strategy"]
-    assert "(only for name `topk`)" in rows["distributed.compression.ratio"]
     assert "> 0, <= 1" in rows["distributed.compression.ratio"]
     assert "| `{batches: 0}` |" in rows["min_validation_period"]
     assert "| required |" in rows["entrypoint"]
     assert "no effect" not in rows["environment"] and "containers" in rows["environment"]
+
+
+def test_each_compressor_and_optimizer_has_its_own_section() -> None:
+    text = generate()
+    for name, section in COMPRESSORS.items():
+        assert f"## `distributed.compression` with name `{name}`" in text
+        table = text.split(f"## `distributed.compression` with name `{name}`")[1].split("\n## ")[0]
+        for key in section.model_fields:
+            assert (f"| `distributed.compression.{key}` |" in table) == (key != "name"), (name, key)
+    for name in OPTIMIZERS:
+        assert f"## `large_batch` with optimizer `{name}`" in text
+    lamb = text.split("## `large_batch` with optimizer `lamb`")[1].split("\n## ")[0]
+    assert "| `large_batch.eps` | number | `1e-06` |" in lamb and "`large_batch.momentum`" not in lamb
+    assert "[`topk`](#distributedcompression-with-name-topk)" in text
 
 
 def test_check_fails_on_a_stale_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
