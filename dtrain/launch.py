@@ -108,8 +108,9 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     world = config.resources.world_size
-    if config.distributed.strategy == "parameter_server":  # the servers are the last ranks, beside the workers
-        world += config.distributed.parameter_server.servers
+    from dtrain.sync import strategy_spec
+
+    world += strategy_spec(config.distributed.strategy).servers(config)  # servers: the last ranks, beside the workers
     node.validate(world)
     nproc = world // node.nnodes
     local = node.nnodes == 1 and node.rdzv_endpoint is None

@@ -15,10 +15,13 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtrain.errors import DtrainError, ExitCode, LaunchError, StallError
 from dtrain.runs.fatal import read_fatal, write_fatal
+
+if TYPE_CHECKING:
+    from dtrain.sync import StrategySpec
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,13 +90,16 @@ def run_worker(args: argparse.Namespace) -> int:
         config_dir = loaded.base_dir if args.config is not None else load_run_info(run_dir).config_dir
         exec_command(config.entry.argv, run_dir, config_dir, launch.rank)
     torch.set_num_threads(_threads_per_worker())
-    servers = config.distributed.parameter_server.servers if config.distributed.strategy == "parameter_server" else 0
+    from dtrain.sync import strategy_spec
+
+    spec = strategy_spec(config.distributed.strategy)
+    servers = spec.servers(config)
     interface = os.environ.get("DTRAIN_NETWORK_INTERFACE") or config.distributed.network_interface
     topology = init_distributed(backend=config.distributed.backend, timeout_seconds=config.distributed.timeout_seconds,
                                 servers=servers, network_interface=interface)
     if topology.is_server:
         config_dir = loaded.base_dir if args.config is not None else load_run_info(run_dir).config_dir
-        return _serve(run_dir, config, topology, config_dir)
+        return _serve(run_dir, config, topology, config_dir, spec)
     if args.config is not None:
         if launch.local_rank == 0:
             prepare_run_dir(config, run_dir, loaded.base_dir, register=launch.node_rank == 0)
@@ -138,17 +144,16 @@ def _first_line(exc: BaseException) -> str:
     return text.split("] ", 1)[-1][:160]
 
 
-def _serve(run_dir: Path, config: Any, topology: Any, config_dir: Path) -> int:
-    """A parameter-server process: serve the workers until they leave. The Trial's module is imported first, so
-    that an optimizer class defined there can be built on the server."""
+def _serve(run_dir: Path, config: Any, topology: Any, config_dir: Path, spec: StrategySpec) -> int:
+    """A server process beside the workers (a parameter server): serve them until they leave. The Trial's module
+    is imported first, so that an optimizer class defined there can be built on the server."""
     from dtrain.determined.entrypoint import load_trial
-    from dtrain.sync.parameter_server import serve
 
+    assert spec.serve is not None, f"strategy {spec.name} counts servers but has no `serve`"
     load_trial(config, config_dir)
     # the log goes into the run dir once the workers are in the RPC group: by then rank 0 has prepared the dir
     name = f"server-{topology.rank - topology.world_size}"
-    serve(topology, config.distributed.parameter_server, timeout_seconds=config.distributed.timeout_seconds,
-          on_joined=lambda: _setup_logging(run_dir, topology.rank, name=name))
+    spec.serve(topology, config, lambda: _setup_logging(run_dir, topology.rank, name=name))
     return ExitCode.OK
 
 

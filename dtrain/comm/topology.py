@@ -377,9 +377,9 @@ def shutdown_distributed() -> None:
 
 
 def device_mesh(topology: Topology, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
-    """The workers as a DeviceMesh of `shape` (row-major over the ranks: with names ("data", "pipeline") ranks
-    d*p .. d*p+p-1 form pipeline replica d); every rank calls this together, once per layout, since it creates
-    a process group per mesh dimension."""
+    """The workers as a DeviceMesh of `shape` (row-major over the ranks: with shape (d, p), ranks i*p .. i*p+p-1
+    form row i, e.g. one pipeline replica or one node's shard group); every rank calls this together, once per
+    layout, since it creates a process group per mesh dimension."""
     from torch.distributed.device_mesh import init_device_mesh
 
     total = 1

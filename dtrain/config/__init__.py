@@ -8,21 +8,14 @@ One module per job: `base` (strict sections, Length), a module per group of sect
 `distributed`, `compression` (one section per compressor), `large_batch`, `optimizers` (one section per
 optimizer), `profiling`, `faults`), `experiment` (the whole file), `names` (the names other
 packages implement), `ignored` (Determined's cluster keys), `loading` (YAML and `--set`), `messages` (the
-one-line errors), `gate` (features not built yet), `parallelism` (sharded and pipelined layouts,
-precision) and `reference` (docs/config-reference.md).
+one-line errors), `gate` (features not built yet), `strategies` (each strategy's section and its rules),
+`parallelism` (the rules every strategy declares by value, precision) and `reference`
+(docs/config-reference.md).
 """
 
 from dtrain.config.base import Length, Section
 from dtrain.config.compression import COMPRESSORS, Compression, CompressorConfig, QSGDNorm
-from dtrain.config.distributed import (
-    Distributed,
-    Fsdp,
-    Heterogeneous,
-    LocalSGD,
-    Optimizations,
-    ParameterServer,
-    Pipeline,
-)
+from dtrain.config.distributed import Distributed, Heterogeneous, Optimizations
 from dtrain.config.experiment import ExperimentConfig
 from dtrain.config.faults import Faults, Kill
 from dtrain.config.gate import check_buildable, is_built
@@ -38,8 +31,21 @@ from dtrain.config.names import (
     StrategyName,
 )
 from dtrain.config.optimizers import OPTIMIZERS, LargeBatchSection
-from dtrain.config.parallelism import SHARDED_STRATEGIES, effective_precision, model_parallel_size
+from dtrain.config.parallelism import effective_precision, model_parallel_size
 from dtrain.config.profiling import Profiling
+from dtrain.config.strategies import (
+    AllReduce,
+    Fsdp,
+    Hierarchical,
+    LocalSGD,
+    ParameterServer,
+    Pipeline,
+    StrategySection,
+    StrategySections,
+    Zero1,
+    default_strategy,
+    strategy_names,
+)
 from dtrain.config.training import CheckpointStorage, DataLoaderConfig, Reproducibility, Resources, Searcher
 
 __all__ = ["COMPRESSORS", "IGNORED_KEYS", "OPTIMIZERS", "BatchSizeSchedule",
@@ -47,6 +53,7 @@ __all__ = ["COMPRESSORS", "IGNORED_KEYS", "OPTIMIZERS", "BatchSizeSchedule",
            "Distributed", "ExperimentConfig", "GrowBy", "Heterogeneous", "Kill", "LargeBatch", "LargeBatchSection",
            "Length", "LoadedConfig", "LocalSGD", "Optimizations", "ParameterServer", "ParameterServerMode",
            "Profiling", "QSGDNorm", "ReduceOp", "Reproducibility", "Resources", "ScalingRule", "Searcher", "Section",
-           "StrategyName", "SHARDED_STRATEGIES", "Fsdp", "Pipeline", "effective_precision", "model_parallel_size",
-           "apply_override", "check_buildable", "dump_config", "is_built", "load_config",
+           "StrategyName", "StrategySection", "StrategySections", "AllReduce", "Hierarchical", "Zero1", "Fsdp",
+           "Pipeline", "default_strategy", "strategy_names", "effective_precision",
+           "model_parallel_size", "apply_override", "check_buildable", "dump_config", "is_built", "load_config",
            "parse_override", "read_yaml"]

@@ -1,5 +1,6 @@
 """Sections on how the workers keep their replicas consistent: Determined's `optimizations` (accumulation,
-fusion buckets) and dtrain's `distributed` (strategy, reduction op, compression, parameter servers)."""
+fusion buckets) and dtrain's `distributed` (reduction op, compression, uneven batches; each strategy's own
+section is in `strategies.py`)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,8 @@ from pydantic import Field, field_validator, model_validator
 
 from dtrain.config.base import DETERMINED_ONLY, Section, picked_by
 from dtrain.config.compression import Compression, NoCompressionConfig
-from dtrain.config.names import (
-    ParameterServerMode,
-    PipelineScheduleName,
-    PrecisionName,
-    ReduceOp,
-    StrategyName,
-)
+from dtrain.config.names import PrecisionName, ReduceOp
+from dtrain.config.strategies import StrategySections
 
 DEFAULT_MALLOC_TRIM_THRESHOLD_MB = 256  # glibc keeps this much freed memory in each worker (dtrain run, horovodrun)
 
@@ -61,48 +57,6 @@ class Optimizations(Section):
         "GLIBC_TUNABLES set")
 
 
-class ParameterServer(Section):
-    """Server processes beside the workers, and how they apply gradients (strategy `parameter_server`)."""
-
-    servers: int = Field(default=1, ge=1, description="server processes started beside the workers (the last "
-                                                      "ranks); parameters are sharded over them by bytes")
-    mode: ParameterServerMode = Field(
-        default="sync", description="`sync` (wait for all, apply the mean), `async` (apply each gradient when it "
-        "arrives), `ssp` (async within a staleness bound)")
-    staleness: int = Field(default=4, ge=0, description="ssp: a worker may be at most this many steps ahead of the "
-                                                        "slowest")
-    backup_workers: int = Field(default=0, ge=0, description="sync: each update uses the first W-b gradients; late "
-                                                             "ones are dropped and counted")
-    staleness_lr: bool = Field(default=False, description="apply a gradient of staleness t > 1 with the rate "
-                                                          "divided by t")
-
-    @model_validator(mode="after")
-    def _backup_for_sync(self) -> ParameterServer:
-        if self.backup_workers and self.mode != "sync":
-            raise ValueError(f"distributed.parameter_server.backup_workers ({self.backup_workers}) applies to mode "
-                             f"`sync` only (mode `{self.mode}` never waits for all workers); remove it or set "
-                             "`mode: sync`")
-        return self
-
-
-class LocalSGD(Section):
-    """Settings of strategy `local_sgd`: each rank steps on its own gradients and the replicas are averaged every
-    `period` updates (local SGD), after `warmup_steps` synchronous ones (post-local SGD), optionally with the
-    gradients averaged inside each node every update (hierarchical periods), or through an outer optimizer on
-    the averaged pseudo-gradient (DiLoCo)."""
-
-    period: int = Field(default=8, ge=1, description="H: average the replicas every H local updates")
-    warmup_steps: int = Field(default=0, ge=0, description="post-local SGD: the first updates are synchronous "
-                              "(gradients all-reduced every update) and local SGD starts after this many")
-    node_sync: bool = Field(default=False, description="hierarchical periods: during local SGD, average gradients "
-                            "inside each node every update and across nodes only every `period`")
-    average_buffers: bool = Field(default=True, description="average floating buffers (batch-norm statistics) at "
-                                  "each averaging round too")
-    outer_optimizer: Literal["none", "sgd", "nesterov"] = Field(
-        default="none", description="`none`: plain averaging; `sgd`/`nesterov`: DiLoCo, an outer SGD step on the "
-        "averaged pseudo-gradient (parameters at the last round - local parameters)")
-    outer_lr: float = Field(default=0.7, gt=0, description="DiLoCo's outer learning rate")
-    outer_momentum: float = Field(default=0.9, ge=0, lt=1, description="DiLoCo's outer momentum")
 
 
 class Heterogeneous(Section):
@@ -127,45 +81,9 @@ class Heterogeneous(Section):
         return self
 
 
-class Pipeline(Section):
-    """Pipeline parallelism (strategy `pipeline`): the model cut into stages, each batch into microbatches."""
-
-    stages: int = Field(default=2, ge=2, description="p: pipeline stages, one rank each; slots_per_trial / p "
-                                                     "replicas of the pipeline train data-parallel")
-    microbatches: int = Field(default=4, ge=1, description="m: microbatches each replica's batch is split into "
-                                                           "(bubble (p-1)/(m+p-1))")
-    schedule: PipelineScheduleName = Field(default="gpipe", description="`gpipe` (all forwards, then all "
-                                           "backwards) or `1f1b` (one forward, one backward)")
-    split_points: list[str] = Field(
-        default_factory=list, description="names of the model's top-level children where stages 2..p begin (p-1 "
-        "names); empty: the Trial's `pipeline_stages(model)` hook, else equal numbers of children")
-    receives: Literal["on_demand", "ahead"] = Field(
-        default="on_demand", description="`on_demand`: torch's schedules, each receive posted just before it is "
-        "waited for; `ahead`: each stage posts all its receives of a step when the step starts, so a hand-off is "
-        "written as soon as it is sent (gloo)")
-
-
-class Fsdp(Section):
-    """Fully sharded data parallelism (strategy `fsdp`, torch's FSDP2 `fully_shard`)."""
-
-    reshard_after_forward: bool = Field(default=True, description="free the gathered parameters after forward "
-                                        "and gather them again in backward (less memory, one more all-gather)")
-
-
-class Distributed(Section):
+class Distributed(StrategySections):
     """How replicas stay consistent: the strategy, how gradients are combined, compression, timeouts."""
 
-    strategy: StrategyName = Field(default="allreduce", description="how replicas stay consistent: `allreduce` "
-                                   "(torch DDP; dtrain's comm hook for op `sum`, `adasum` and compression), "
-                                   "`parameter_server` (server processes hold the parameters), `local_sgd` "
-                                   "(periodic averaging, post-local SGD, DiLoCo), `hierarchical` (all-reduce "
-                                   "inside each node, then between nodes), `zero1` (DDP with the optimizer state "
-                                   "sharded), `fsdp` (parameters, gradients and optimizer state sharded) or "
-                                   "`pipeline` (stages x data replicas)")
-    parameter_server: ParameterServer = Field(default_factory=ParameterServer,
-                                              description="settings of strategy `parameter_server`")
-    pipeline: Pipeline = Field(default_factory=Pipeline, description="settings of strategy `pipeline`")
-    fsdp: Fsdp = Field(default_factory=Fsdp, description="settings of strategy `fsdp`")
     op: ReduceOp = Field(default="average", description="how gradients are combined: `average` (the full-batch "
                          "gradient), `sum`, `adasum` (Adasum; takes no compression)")
     compression: Compression = Field(
@@ -183,7 +101,6 @@ class Distributed(Section):
     find_unused_parameters: bool = Field(
         default=False, description="set true for models whose forward pass skips parameters in some steps or on "
         "some ranks; without it such a step stops at once with one line naming them")
-    local_sgd: LocalSGD = Field(default_factory=LocalSGD, description="settings of strategy `local_sgd`")
     heterogeneous: Heterogeneous | None = Field(
         default=None, description="per-rank batch sizes for workers of different speed (unset: an even split)")
     network_interface: str | None = Field(

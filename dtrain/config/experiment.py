@@ -153,9 +153,7 @@ class ExperimentConfig(Section):
 
     @model_validator(mode="after")
     def _parallel_layout(self) -> ExperimentConfig:
-        check_layout(optimizations=self.optimizations, distributed=self.distributed, compression=self.compression,
-                     world_size=self.resources.world_size,
-                     global_batch_size=self.hyperparameters.get("global_batch_size"))
+        check_layout(self)
         return self
 
     @property
@@ -167,46 +165,16 @@ class ExperimentConfig(Section):
         return self.distributed.compression
 
     @model_validator(mode="after")
-    def _parameter_server_fits(self) -> ExperimentConfig:
-        if self.distributed.strategy != "parameter_server":
-            return self
-        if self.compression.name != "none" or self.distributed.op != "average":
-            raise ValueError(f"distributed.strategy parameter_server pushes full gradients and averages them; it "
-                             f"cannot use compression `{self.compression.name}` or op `{self.distributed.op}`; "
-                             "remove them or use distributed.strategy allreduce")
-        ps, world = self.distributed.parameter_server, self.resources.world_size
-        if ps.backup_workers >= world:
-            raise ValueError(f"distributed.parameter_server.backup_workers ({ps.backup_workers}) must be below "
-                             f"resources.slots_per_trial ({world}): each update needs at least one gradient; use "
-                             f"0..{world - 1}")
-        if (ps.mode != "sync" or ps.backup_workers) and (self.optimizations.aggregation_frequency > 1
-                                                         or self.large_batch.batch_size_schedule is not None):
-            how = f"mode `{ps.mode}`" if ps.mode != "sync" else "backup_workers"
-            raise ValueError(f"distributed.parameter_server {how} lets workers run different numbers of batches, so "
-                             "optimizations.aggregation_frequency and large_batch.batch_size_schedule do not apply; "
-                             "remove them or use `mode: sync` without backup workers")
-        return self
-
-    @model_validator(mode="after")
     def _uneven_clusters(self) -> ExperimentConfig:
         d, world = self.distributed, self.resources.world_size
         het = d.heterogeneous
         if het is not None:
-            if d.strategy == "parameter_server":
-                raise ValueError("distributed.heterogeneous re-balances batches where all ranks meet every update; "
-                                 "strategy parameter_server paces ranks on its own: remove one of them")
             if isinstance(het.split, list) and len(het.split) != world:
                 raise ValueError(f"distributed.heterogeneous.split has {len(het.split)} shares for "
                                  f"resources.slots_per_trial {world} workers; give one share per rank or `auto`")
             if self.global_batch_size < 2 * world:
                 raise ValueError(f"distributed.heterogeneous needs hyperparameters.global_batch_size "
                                  f"({self.global_batch_size}) of at least 2 records per rank ({2 * world})")
-        if d.strategy in ("local_sgd", "hierarchical") and d.op != "average":
-            raise ValueError(f"distributed.strategy {d.strategy} averages; op `{d.op}` applies to strategy "
-                             "allreduce only: remove it")
-        if d.strategy == "hierarchical" and self.compression.name != "none":
-            raise ValueError("distributed.strategy hierarchical sends full-precision buckets; compression "
-                             f"`{self.compression.name}` applies to allreduce and local_sgd: remove it")
         return self
 
     @model_validator(mode="after")

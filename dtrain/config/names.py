@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Literal
 
 StrategyName = Literal["allreduce", "parameter_server", "local_sgd", "hierarchical", "zero1", "fsdp", "pipeline"]
+DEFAULT_STRATEGY: StrategyName = "allreduce"
 ReduceOp = Literal["average", "sum", "adasum"]
 ParameterServerMode = Literal["sync", "async", "ssp"]
 PrecisionName = Literal["fp32", "bf16", "fp16"]

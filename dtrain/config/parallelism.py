@@ -1,12 +1,17 @@
-"""Rules that tie the sharded and pipelined strategies and mixed precision to the rest of the file: which layouts
-the slots can hold, which settings the strategies take, and which precision a run trains in."""
+"""Rules that tie the strategy named and mixed precision to the rest of the file: which settings the strategy
+takes (read from its section, dtrain/config/strategies.py), which layouts the slots can hold, and which precision
+a run trains in."""
 
 from __future__ import annotations
 
-from dtrain.config.distributed import Compression, Distributed, Optimizations
-from dtrain.config.names import PrecisionName
+from typing import TYPE_CHECKING
 
-SHARDED_STRATEGIES = ("zero1", "fsdp", "pipeline")
+from dtrain.config.distributed import Distributed, Optimizations
+from dtrain.config.names import PrecisionName
+from dtrain.config.strategies import default_strategy, strategies_where
+
+if TYPE_CHECKING:
+    from dtrain.config.experiment import ExperimentConfig
 
 
 def effective_precision(optimizations: Optimizations) -> PrecisionName:
@@ -18,47 +23,30 @@ def effective_precision(optimizations: Optimizations) -> PrecisionName:
 
 def model_parallel_size(distributed: Distributed) -> int:
     """Ranks that share one data replica's batches: the pipeline's stages, else 1."""
-    return distributed.pipeline.stages if distributed.strategy == "pipeline" else 1
+    return distributed.chosen.model_parallel_size()
 
 
-def check_layout(*, optimizations: Optimizations, distributed: Distributed, compression: Compression,
-                 world_size: int, global_batch_size: object) -> None:
-    """Raise ValueError (one line: value, rule, fix) for a layout or setting the strategy cannot run."""
-    opt, dist = optimizations, distributed
+def check_layout(config: ExperimentConfig) -> None:
+    """Raise ValueError (one line: value, rule, fix) for a precision, layout or setting the strategy named cannot
+    run: the rules every strategy's section declares by value, then the strategy's own `check()`."""
+    opt, dist, compression = config.optimizations, config.distributed, config.compression
     if opt.mixed_precision in ("O1", "O2") and opt.precision == "bf16":
         raise ValueError(f"optimizations.mixed_precision {opt.mixed_precision} (fp16) and optimizations.precision "
                          "bf16 name two precisions; remove one of them")
-    if effective_precision(opt) == "fp16" and dist.strategy == "parameter_server":
-        raise ValueError("optimizations.precision fp16 needs a loss scaler that all workers agree on at each step, "
-                         "which strategy parameter_server cannot give; use bf16 or strategy allreduce")
-    if dist.strategy not in SHARDED_STRATEGIES:
-        return
-    if dist.op != "average":
-        raise ValueError(f"distributed.op `{dist.op}` applies to strategy allreduce; strategy {dist.strategy} "
-                         "averages gradients: remove distributed.op")
-    if compression.name != "none":
-        raise ValueError(f"gradient compression `{compression.name}` applies to strategy allreduce, not to "
-                         f"{dist.strategy}; remove distributed.compression")
-    if dist.strategy == "pipeline":
-        _check_pipeline(opt, dist, world_size, global_batch_size)
-
-
-def _check_pipeline(opt: Optimizations, dist: Distributed, slots: int, gbs: object) -> None:
-    p = dist.pipeline
-    if slots % p.stages:
-        raise ValueError(f"distributed.pipeline.stages ({p.stages}) must divide resources.slots_per_trial ({slots}): "
-                         f"each pipeline replica needs {p.stages} slots; use slots_per_trial "
-                         f"{max(p.stages, slots - slots % p.stages)} or stages that divide {slots}")
-    replicas = slots // p.stages
-    if isinstance(gbs, int) and gbs % (replicas * p.microbatches):
-        raise ValueError(f"hyperparameters.global_batch_size ({gbs}) must split into {replicas} pipeline replica(s) x "
-                         f"{p.microbatches} microbatches of equal size; use a multiple of {replicas * p.microbatches}")
-    if p.split_points and len(p.split_points) != p.stages - 1:
-        raise ValueError(f"distributed.pipeline.split_points names {len(p.split_points)} cut(s) "
-                         f"({', '.join(p.split_points)}) for {p.stages} stages; name stages - 1 = {p.stages - 1}")
-    if dist.heterogeneous is not None:
-        raise ValueError("distributed.heterogeneous with strategy pipeline: per-rank batch shares are not built for "
-                         "pipeline replicas; remove distributed.heterogeneous")
-    if opt.aggregation_frequency != 1:
-        raise ValueError("optimizations.aggregation_frequency > 1 with strategy pipeline: raise "
-                         "distributed.pipeline.microbatches instead (microbatches already accumulate gradients)")
+    strategy = dist.chosen
+    if effective_precision(opt) == "fp16" and not strategy.fp16:
+        raise ValueError(f"optimizations.precision fp16 needs a loss scaler that all workers agree on at each step, "
+                         f"which strategy {dist.strategy} cannot give; use bf16 or strategy {default_strategy()}")
+    if dist.op not in strategy.ops:
+        takers = " or ".join(strategies_where(lambda section: dist.op in section.ops))
+        raise ValueError(f"distributed.op `{dist.op}` applies to strategy {takers}; strategy {dist.strategy} "
+                         f"combines gradients by {' or '.join(strategy.ops)}: remove distributed.op")
+    if compression.name != "none" and not strategy.compresses:
+        takers = " or ".join(strategies_where(lambda section: section.compresses))
+        raise ValueError(f"gradient compression `{compression.name}` applies to strategy {takers}, not to "
+                         f"{dist.strategy} (it sends full-precision gradients); remove distributed.compression")
+    if dist.heterogeneous is not None and not strategy.uneven_batches:
+        raise ValueError(f"distributed.heterogeneous re-balances batches where all ranks meet every update with one "
+                         f"batch each; strategy {dist.strategy} does not (it paces ranks on its own or splits a batch "
+                         "into microbatches): remove one of them")
+    strategy.check(config)

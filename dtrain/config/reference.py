@@ -122,8 +122,10 @@ def _variants(info: FieldInfo) -> dict[str, type[BaseModel]]:
 
 def _section(table: _Table) -> list[str]:
     lines = [f"## {table.heading}", "", _paragraph(table.model.__doc__ or ""), ""]
-    if not table.fields:
-        return lines + [f"No keys besides `{table.picked[0] if table.picked else 'name'}`.", ""]
+    if not table.fields and table.picked:
+        return lines + [f"No keys besides `{table.picked[0]}`.", ""]
+    if not table.fields:  # a strategy without settings of its own: its paragraph says so
+        return lines
     lines += ["| Key | Type | Default | Allowed | Description |", "|---|---|---|---|---|"]
     for name, info in table.fields.items():
         key = f"{table.path}.{name}" if table.path and table.path != "lengths" else name

@@ -163,9 +163,11 @@ def check_config_for_eager(config: Any, models: int, optimizers: int) -> None:
     """One line for settings whose meaning needs dtrain to own backward and the step (they apply to trials with one
     model and one optimizer)."""
     what = f"this PyTorchTrial wraps {models} model(s) and {optimizers} optimizer(s), so it steps them itself"
-    if config.distributed.strategy != "allreduce":
+    from dtrain.config import default_strategy
+
+    if config.distributed.strategy != default_strategy():
         raise ConfigError(f"distributed.strategy {config.distributed.strategy}: {what} with gradients averaged "
-                          "over the ranks in step_optimizer; remove distributed.strategy (allreduce)")
+                          f"over the ranks in step_optimizer; remove distributed.strategy ({default_strategy()})")
     if config.compression.name != "none":
         raise ConfigError(f"compression.name {config.compression.name}: {what}, uncompressed; remove compression")
     lb = config.large_batch

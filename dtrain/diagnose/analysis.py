@@ -152,8 +152,8 @@ def _findings(config: ExperimentConfig, d: Mapping[str, Any]) -> tuple[list[dict
     """Costs of at least BOTTLENECK_PERCENT of the step, largest first, and what to do about each."""
     found: list[tuple[float, str, str]] = []
     comm = d["communication_overhead_percent"]
-    pipeline = config.distributed.strategy == "pipeline"
-    if pipeline and comm >= BOTTLENECK_PERCENT:
+    stages = config.distributed.chosen.model_parallel_size() > 1
+    if stages and comm >= BOTTLENECK_PERCENT:
         p, m = config.distributed.pipeline.stages, config.distributed.pipeline.microbatches
         found.append((comm, "pipeline bubble",
                       f"raise distributed.pipeline.microbatches (now {m}: the bubble by formula is (p - 1)/(m + p - 1) "
@@ -173,7 +173,7 @@ def _findings(config: ExperimentConfig, d: Mapping[str, Any]) -> tuple[list[dict
                       "memory (ArrayDataset hands out whole batches); move per-record work out of __getitem__"))
     slow = d["slowest_rank"]
     if (d["world_size"] > 1 and slow["confirmed"] and slow["others_wait_percent"] >= BOTTLENECK_PERCENT
-            and not pipeline):  # a pipeline's stages compute different parts: the bubble above covers them
+            and not stages):  # a pipeline's stages compute different parts: the bubble above covers them
         found.append((slow["others_wait_percent"], f"slowest rank {slow['rank']}",
                       f"rank {slow['rank']} computes {slow['slower_than_others_percent']:.0f}% slower than the others "
                       "and they wait for it: give ranks batches in proportion to their speed with "

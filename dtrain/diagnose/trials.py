@@ -39,21 +39,16 @@ def trial_plans(config: ExperimentConfig, steps: int) -> list[TrialPlan]:
               "min_checkpoint_period={batches: 0}", "checkpoint_policy=none", "perform_initial_validation=false",
               f"scheduling_unit={steps}", "faults.stop_after_batch=null", "max_restarts=0",
               "profiling.phase_timers=true", "profiling.enabled=false")
-    one_slot = ["resources.slots_per_trial=1",
-                f"hyperparameters.global_batch_size={config.global_batch_size // world}", *_rank_zero_only(config)]
-    no_communication = [f"optimizations.aggregation_frequency={NO_COMMUNICATION_K}"]
-    server = config.distributed.parameter_server
-    if config.distributed.strategy == "parameter_server" and (server.mode != "sync" or server.backup_workers):
-        # only sync mode without backup workers accepts k > 1; with almost no updates the mode makes no difference
-        no_communication += ["distributed.parameter_server.mode=sync", "distributed.parameter_server.backup_workers=0"]
-    pipeline = config.distributed.strategy == "pipeline"
-    if pipeline:  # one slot holds the whole model and trains one pipeline replica's batch
-        replicas = world // config.distributed.pipeline.stages
-        one_slot = ["resources.slots_per_trial=1", "distributed.strategy=allreduce",
-                    f"hyperparameters.global_batch_size={config.global_batch_size // replicas}",
-                    *_rank_zero_only(config)]
+    strategy = config.distributed.chosen
+    # one slot holds the whole model and trains one data replica's batch (a pipeline's: the default strategy's)
+    replicas = world // strategy.model_parallel_size()
+    one_slot = ["resources.slots_per_trial=1", *strategy.single_slot_overrides(),
+                f"hyperparameters.global_batch_size={config.global_batch_size // replicas}", *_rank_zero_only(config)]
+    no_communication = [f"optimizations.aggregation_frequency={NO_COMMUNICATION_K}",
+                        *strategy.accumulating_overrides()]
+    stages = strategy.model_parallel_size() > 1
     plans = [TrialPlan("configured", "as configured", common)]
-    if not pipeline:  # a pipeline's stages communicate every microbatch; its waits are its bubble phase instead
+    if not stages:  # a pipeline's stages communicate every microbatch; its waits are its bubble phase instead
         plans.append(TrialPlan("no_communication", f"aggregation_frequency {NO_COMMUNICATION_K}",
                                (*common, *no_communication)))
     plans.append(TrialPlan("synthetic_data", "synthetic data of the same shapes",

@@ -1,13 +1,13 @@
 """Strategies that keep replicas consistent, behind one protocol, picked by `distributed.strategy` from a registry:
-a new strategy is one module and one line in `REGISTRY` (docs/strategies.md)."""
+a new strategy is one module (its class and its `StrategySpec`), one line in `REGISTRY`, and its config section
+with its rules in dtrain/config/strategies.py (docs/strategies.md)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from dtrain.comm import Topology
 from dtrain.config import ExperimentConfig
-from dtrain.sync.allreduce import AllReduceStrategy, build_allreduce
+from dtrain.sync import allreduce, fsdp, hierarchical, local_sgd, parameter_server, pipeline, zero
+from dtrain.sync.allreduce import AllReduceStrategy
 from dtrain.sync.base import (
     AsynchronousPacing,
     BucketObserving,
@@ -26,35 +26,39 @@ from dtrain.sync.base import (
     TrainBatch,
     WireMetering,
     WritesShardedCheckpoint,
+    forward_is_collective,
 )
-from dtrain.sync.fsdp import FsdpStrategy, build_fsdp
-from dtrain.sync.hierarchical import HierarchicalStrategy, build_hierarchical
-from dtrain.sync.local_sgd import LocalSGDStrategy, build_local_sgd
-from dtrain.sync.parameter_server import ParameterServerStrategy, build_parameter_server
-from dtrain.sync.pipeline import PipelineStrategy, build_pipeline
-from dtrain.sync.zero import Zero1Strategy, build_zero1
+from dtrain.sync.fsdp import FsdpStrategy
+from dtrain.sync.hierarchical import HierarchicalStrategy
+from dtrain.sync.local_sgd import LocalSGDStrategy
+from dtrain.sync.parameter_server import ParameterServerStrategy
+from dtrain.sync.pipeline import PipelineStrategy
+from dtrain.sync.spec import StrategyBuilder, StrategySpec
+from dtrain.sync.zero import Zero1Strategy
 
-StrategyBuilder = Callable[[ExperimentConfig, Topology], SyncStrategy]
+# distributed.strategy -> the strategy's spec (builder, server processes, summary line), one line each
+REGISTRY: dict[str, StrategySpec] = {spec.name: spec for spec in (
+    allreduce.SPEC,
+    parameter_server.SPEC,
+    local_sgd.SPEC,
+    hierarchical.SPEC,
+    zero.SPEC,
+    fsdp.SPEC,
+    pipeline.SPEC,
+)}
 
-# distributed.strategy -> the function that builds it from the config
-REGISTRY: dict[str, StrategyBuilder] = {
-    "allreduce": build_allreduce,
-    "parameter_server": build_parameter_server,
-    "local_sgd": build_local_sgd,
-    "hierarchical": build_hierarchical,
-    "zero1": build_zero1,
-    "fsdp": build_fsdp,
-    "pipeline": build_pipeline,
-}
+
+def strategy_spec(name: str) -> StrategySpec:
+    """The spec registered as `name` (a `distributed.strategy` value)."""
+    spec = REGISTRY.get(name)
+    if spec is None:  # check_buildable() refuses it before we get here
+        raise ValueError(f"strategy {name!r} is not built; registered: {', '.join(sorted(REGISTRY))}")
+    return spec
 
 
 def build_strategy(config: ExperimentConfig, topology: Topology) -> SyncStrategy:
     """The strategy the config names, built by its registered builder."""
-    name = config.distributed.strategy
-    builder = REGISTRY.get(name)
-    if builder is None:  # check_buildable() refuses it before we get here
-        raise ValueError(f"strategy {name!r} is not built; registered: {', '.join(sorted(REGISTRY))}")
-    return builder(config, topology)
+    return strategy_spec(config.distributed.strategy).build(config, topology)
 
 
 __all__ = ["REGISTRY", "AllReduceStrategy", "AsynchronousPacing", "BucketObserving", "CollectiveForward",
@@ -62,5 +66,7 @@ __all__ = ["REGISTRY", "AllReduceStrategy", "AsynchronousPacing", "BucketObservi
            "HoldsModelParts",
            "LocalSGDStrategy",
            "OptimizerWrapping", "OwnsCheckpointState", "ParameterServerStrategy", "PipelineStrategy",
-           "ReportingMetrics", "RunsForwardBackward", "ShardedConstruction", "StrategyBuilder", "SyncStrategy",
-           "TimesWaits", "TrainBatch", "WireMetering", "WritesShardedCheckpoint", "Zero1Strategy", "build_strategy"]
+           "ReportingMetrics", "RunsForwardBackward", "ShardedConstruction", "StrategyBuilder", "StrategySpec",
+           "SyncStrategy",
+           "TimesWaits", "TrainBatch", "WireMetering", "WritesShardedCheckpoint", "Zero1Strategy", "build_strategy",
+           "forward_is_collective", "strategy_spec"]

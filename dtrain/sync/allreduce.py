@@ -36,6 +36,7 @@ from dtrain.sync.hooks import (
     combine_bucket,
     observed_combine_bucket,
 )
+from dtrain.sync.spec import StrategySpec
 
 log = logging.getLogger(__name__)
 
@@ -296,3 +297,6 @@ def build_allreduce(config: ExperimentConfig, topology: Topology) -> AllReduceSt
                              auto_tune_fusion=config.optimizations.auto_tune_tensor_fusion,
                              find_unused_parameters=config.distributed.find_unused_parameters,
                              compressor=build_compressor(config.compression.name, **config.compression.options()))
+
+
+SPEC = StrategySpec("allreduce", build_allreduce)

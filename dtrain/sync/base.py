@@ -211,6 +211,12 @@ class CollectiveForward(Protocol):
     collective_forward: bool
 
 
+def forward_is_collective(strategy: object) -> bool:
+    """CollectiveForward read by value: a strategy that declares `collective_forward = False` evaluates as one
+    without the marker does."""
+    return isinstance(strategy, CollectiveForward) and bool(strategy.collective_forward)
+
+
 @runtime_checkable
 class EvaluatesInStages(Protocol):
     """Validation without the whole model on any rank: the strategy runs each validation batch's forward pass

@@ -27,7 +27,7 @@ the model for them. `dtrain export` turns such a checkpoint into a plain `model.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from itertools import chain
 from pathlib import Path
@@ -44,10 +44,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from dtrain.comm import Topology, device_mesh
 from dtrain.config import ExperimentConfig
+from dtrain.sync.spec import StrategySpec
 
 FULL = StateDictOptions(full_state_dict=True)
 FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -79,6 +81,12 @@ class FsdpStrategy:
         self._sharded: nn.Module | None = None
         self._record: Callable[[str, float], None] | None = None
 
+    def shard_mesh(self) -> DeviceMesh:
+        """The device mesh the parameters are sharded over (built once, in `wrap_model`): every worker in one
+        dimension. A 2-D mesh (replicate, shard) makes `fully_shard` hybrid: sharded along the second dimension,
+        replicated along the first (HSDP)."""
+        return device_mesh(self.topology, (self.topology.world_size,), ("data",))
+
     # ------------------------------------------------------------------------------- core protocol
 
     def model_construction(self) -> AbstractContextManager[Any]:
@@ -96,7 +104,7 @@ class FsdpStrategy:
         transient = {name: buffer for name, buffer in _non_persistent_buffers(model)} if source else {}
         if whole:
             model.to(device="meta")  # the whole tensors live on only in `full` (rank 0) until the shards are filled
-        mesh = device_mesh(self.topology, (self.topology.world_size,), ("data",))
+        mesh = self.shard_mesh()
         for unit in sharding_units(model):
             fully_shard(unit, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
         fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
@@ -250,3 +258,11 @@ def _broadcast_buffers(model: nn.Module, source: dict[str, torch.Tensor], device
 
 def build_fsdp(config: ExperimentConfig, topology: Topology) -> FsdpStrategy:
     return FsdpStrategy(topology, reshard_after_forward=config.distributed.fsdp.reshard_after_forward)
+
+
+def fsdp_summary(described: Mapping[str, Any]) -> str:
+    return (f"{described.get('name')}, {described.get('shards')} shards, reshard_after_forward "
+            f"{described.get('reshard_after_forward')}")
+
+
+SPEC = StrategySpec("fsdp", build_fsdp, summary=fsdp_summary)

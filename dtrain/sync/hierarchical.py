@@ -24,6 +24,7 @@ from dtrain.comm.topology import NodeGroups, node_groups
 from dtrain.compress import WireStats, wire_bytes
 from dtrain.config import ExperimentConfig
 from dtrain.sync.allreduce import AllReduceStrategy
+from dtrain.sync.spec import StrategySpec
 
 
 @dataclass
@@ -105,3 +106,6 @@ def build_hierarchical(config: ExperimentConfig, topology: Topology) -> Hierarch
                                 first_bucket_mb=config.optimizations.first_bucket_mb,
                                 auto_tune_fusion=config.optimizations.auto_tune_tensor_fusion,
                                 find_unused_parameters=config.distributed.find_unused_parameters)
+
+
+SPEC = StrategySpec("hierarchical", build_hierarchical)

@@ -41,6 +41,7 @@ from dtrain.comm.topology import NodeGroups, node_groups
 from dtrain.compress import BucketInfo, Compressor, NoCompression, WireStats, build_compressor
 from dtrain.config import ExperimentConfig
 from dtrain.sync.hooks import run_round
+from dtrain.sync.spec import StrategySpec
 
 
 @dataclass
@@ -271,3 +272,6 @@ def build_local_sgd(config: ExperimentConfig, topology: Topology) -> LocalSGDStr
                             outer_optimizer=settings.outer_optimizer, outer_lr=settings.outer_lr,
                             outer_momentum=settings.outer_momentum,
                             compressor=build_compressor(config.compression.name, **config.compression.options()))
+
+
+SPEC = StrategySpec("local_sgd", build_local_sgd)

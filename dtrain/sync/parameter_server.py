@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -33,6 +33,7 @@ from dtrain.config import ExperimentConfig, ParameterServer
 from dtrain.errors import SyncError
 from dtrain.sync.ps_server import Reply, ShardServer, ShardSpec
 from dtrain.sync.ps_shards import Piece, TensorSize, shard_by_bytes, shard_bytes
+from dtrain.sync.spec import StrategySpec
 
 log = logging.getLogger(__name__)
 
@@ -315,3 +316,18 @@ def build_parameter_server(config: ExperimentConfig, topology: Topology) -> Para
     """The workers' side from the config's `distributed.parameter_server` section."""
     return ParameterServerStrategy(topology, config.distributed.parameter_server,
                                    timeout_seconds=config.distributed.timeout_seconds)
+
+
+def parameter_server_summary(described: Mapping[str, Any]) -> str:
+    return (f"parameter_server, {described.get('servers')} server(s), mode {described.get('mode')}, staleness mean "
+            f"{described.get('staleness_mean', 0.0):.2f} max {described.get('staleness_max', 0)}, dropped gradients "
+            f"{described.get('dropped_gradients', 0)}")
+
+
+def _serve_config(topology: Topology, config: ExperimentConfig, on_joined: Callable[[], None]) -> None:
+    serve(topology, config.distributed.parameter_server, timeout_seconds=config.distributed.timeout_seconds,
+          on_joined=on_joined)
+
+
+SPEC = StrategySpec("parameter_server", build_parameter_server, summary=parameter_server_summary,
+                    servers=lambda config: config.distributed.parameter_server.servers, serve=_serve_config)

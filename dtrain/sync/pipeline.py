@@ -42,6 +42,7 @@ from dtrain.config import ExperimentConfig
 from dtrain.errors import ConfigError, TrialError
 from dtrain.sync.base import ComputePhases, TrainBatch
 from dtrain.sync.pipeline_state import distribute_stages, load_stage, save_stage
+from dtrain.sync.spec import StrategySpec
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 REPLICA_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
@@ -523,3 +524,12 @@ def build_pipeline(config: ExperimentConfig, topology: Topology) -> PipelineStra
     p = config.distributed.pipeline
     return PipelineStrategy(topology, stages=p.stages, microbatches=p.microbatches, schedule=p.schedule,
                             split_points=p.split_points, receives=p.receives)
+
+
+def pipeline_summary(described: Mapping[str, Any]) -> str:
+    return (f"pipeline, {described.get('stages')} stages x {described.get('replicas')} replica(s), "
+            f"{described.get('schedule')} with {described.get('microbatches')} microbatches (bubble "
+            f"{described.get('bubble_fraction', 0.0):.0%} of a step by the formula)")
+
+
+SPEC = StrategySpec("pipeline", build_pipeline, summary=pipeline_summary)

@@ -18,6 +18,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from dtrain.comm import Topology
 from dtrain.config import ExperimentConfig
 from dtrain.sync.allreduce import AllReduceStrategy
+from dtrain.sync.spec import StrategySpec
 
 
 class Zero1Strategy(AllReduceStrategy):
@@ -60,3 +61,6 @@ def build_zero1(config: ExperimentConfig, topology: Topology) -> Zero1Strategy:
                          first_bucket_mb=config.optimizations.first_bucket_mb,
                          auto_tune_fusion=config.optimizations.auto_tune_tensor_fusion,
                          find_unused_parameters=config.distributed.find_unused_parameters)
+
+
+SPEC = StrategySpec("zero1", build_zero1)

@@ -29,7 +29,6 @@ from dtrain.runs.rundir import SUMMARY_FILE, RunInfo, write_json_atomic
 from dtrain.sync import (
     AsynchronousPacing,
     BucketObserving,
-    CollectiveForward,
     Consolidating,
     EvaluatesInStages,
     HoldsModelParts,
@@ -38,6 +37,7 @@ from dtrain.sync import (
     SyncStrategy,
     TimesWaits,
     build_strategy,
+    forward_is_collective,
 )
 from dtrain.train.advice import StopAdvisor
 from dtrain.train.balance import build_balancing, initial_split
@@ -196,7 +196,7 @@ class Trainer:
                                  split.global_batch_size, enabled=chief, report_every=config.scheduling_unit)
         self.searcher = SearcherMetric(config.searcher.metric, smaller_is_better=config.searcher.smaller_is_better)
         self.evaluator = Evaluator(self.val_data, self.trial, topology, channels_last=self.channels_last,
-                                   lockstep=isinstance(self.strategy, CollectiveForward),
+                                   lockstep=forward_is_collective(self.strategy),
                                    stages=self.strategy if isinstance(self.strategy, EvaluatesInStages) else None)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", topology, self.checkpoint_state,
                                          CheckpointPolicy(config, self.schedule, self.searcher), self.callbacks)

@@ -64,5 +64,5 @@ def test_bad_heterogeneous_settings_are_one_line(het: Any, message: str) -> None
 def test_heterogeneous_refuses_parameter_servers() -> None:
     raw = with_het({"split": "auto"})
     raw["distributed"]["strategy"] = "parameter_server"
-    with pytest.raises(ConfigError, match="paces ranks on its own"):
+    with pytest.raises(ConfigError, match="re-balances batches where all ranks meet.*parameter_server"):
         load_config(None, raw=raw)

@@ -38,7 +38,7 @@ def raw_with(**sections: Any) -> dict[str, Any]:
      "raise distributed.pipeline.microbatches instead"),
     (raw_with(distributed={"strategy": "fsdp", "op": "sum"}), "distributed.op `sum` applies to strategy allreduce"),
     (raw_with(distributed={"strategy": "zero1", "compression": {"name": "fp16"}}),
-     "gradient compression `fp16` applies to strategy allreduce, not to zero1"),
+     "gradient compression `fp16` applies to strategy allreduce or local_sgd, not to zero1"),
     (raw_with(optimizations={"mixed_precision": "O1", "precision": "bf16"}), "name two precisions"),
     (raw_with(optimizations={"precision": "fp16"}, distributed={"strategy": "parameter_server"}),
      "cannot give; use bf16"),

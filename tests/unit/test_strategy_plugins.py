@@ -5,6 +5,7 @@ extension, against the built-in allreduce strategy."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import typing
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -44,7 +45,6 @@ from dtrain.sync import (
     WritesShardedCheckpoint,
     build_strategy,
 )
-from dtrain.sync.allreduce import build_allreduce
 from dtrain.sync.fsdp import FsdpStrategy
 from dtrain.sync.zero import Zero1Strategy
 from dtrain.train.trainer import Trainer
@@ -73,6 +73,27 @@ def test_every_strategy_the_config_accepts_is_registered() -> None:
     names = typing.get_args(DistributedSection.model_fields["strategy"].annotation)
     built = {name for name in names if is_built("distributed.strategy", name)}
     assert built and built <= set(sync.REGISTRY)
+
+
+def test_every_strategy_has_one_spec_one_config_section_and_one_name() -> None:
+    from dtrain.config import StrategyName, StrategySection, strategy_names
+
+    assert set(sync.REGISTRY) == set(typing.get_args(StrategyName)) == set(strategy_names())
+    for name, spec in sync.REGISTRY.items():
+        assert spec.name == name
+        assert isinstance(getattr(DistributedSection(), name), StrategySection)
+
+
+def test_a_collective_forward_marker_is_read_by_its_value() -> None:
+    class Declines:
+        collective_forward = False
+
+    class Declares:
+        collective_forward = True
+
+    assert isinstance(Declines(), CollectiveForward) and not sync.forward_is_collective(Declines())
+    assert sync.forward_is_collective(Declares()) and sync.forward_is_collective(FsdpStrategy(ONE_PROCESS))
+    assert not sync.forward_is_collective(object())
 
 
 def test_an_unregistered_strategy_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -248,8 +269,9 @@ def _train(run_dir: Path, raw: Mapping[str, Any], strategy: SyncStrategy | None,
     monkeypatch.syspath_prepend(str(FIXTURES))
     from digits_trial import DigitsTrial
 
-    monkeypatch.setitem(sync.REGISTRY, "allreduce",
-                        build_allreduce if strategy is None else lambda config, topology: strategy)
+    registered = sync.REGISTRY["allreduce"]
+    monkeypatch.setitem(sync.REGISTRY, "allreduce", registered if strategy is None else
+                        dataclasses.replace(registered, build=lambda config, topology: strategy))
     config: ExperimentConfig = load_config(None, raw=copy.deepcopy(dict(raw))).config
     if not (run_dir / "config.yaml").is_file():
         prepare_run_dir(config, run_dir, FIXTURES)
