@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dtrain-setup
 DATA_DIR := /usr/share/datasets/fashion-mnist
 
-.PHONY: setup data demo test test-unit test-distributed test-faults test-root bench lint clean
+.PHONY: setup data demo test test-fast test-unit test-distributed test-faults test-root bench lint clean
 
 setup: $(STAMP) data
 
@@ -40,6 +40,12 @@ test: setup
 	$(PY) -m pytest tests/distributed -q --durations=12
 	$(PY) -m pytest tests/faults -q
 	$(PY) -m pytest tests/root -q -rs
+
+# A developer's inner loop: the unit tests, then the distributed and fault tests not marked slow (those that start
+# `dtrain run` or a search several times; `pytest -m slow --collect-only` lists them). make test runs them all.
+test-fast: setup
+	$(PY) -m pytest tests/unit -q
+	$(PY) -m pytest tests/distributed tests/faults -q -m "not slow" --durations=12
 
 test-unit: setup
 	$(PY) -m pytest tests/unit -q

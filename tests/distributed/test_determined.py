@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # its fixture trains four Determined-API runs; the ASHA test runs two searches
+
 TRIALS = Path(__file__).resolve().parents[1] / "determined_trials"
 TOLERANCE = 1e-9
 PARALLEL = 5  # runs started side by side: two waves (each picks free ports; more at once only adds load)

@@ -138,6 +138,7 @@ def test_config_recipe_runs_with_the_promised_rate_and_batch(clean_large_batch_r
     assert dict(series["effective_batch_size"])[44] == 64 and dict(series["effective_batch_size"])[46] == 128
 
 
+@pytest.mark.slow  # starts `dtrain run` two or more times
 def test_resume_mid_warmup_and_mid_phase_is_bitwise_identical(clean_large_batch_run: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "resumed"
     first = dtrain("run", CONFIG, "--set", "faults.stop_after_batch=9", "--run-dir", run_dir)

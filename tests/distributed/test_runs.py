@@ -70,6 +70,7 @@ def test_same_config_and_seed_give_identical_model(clean_run: Path, tmp_path: Pa
     assert final_model(tmp_path / "again") == final_model(clean_run)
 
 
+@pytest.mark.slow  # starts `dtrain run` two or more times
 def test_stopped_run_resumes_bitwise_identical(clean_run: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "resumed"
     stopped = dtrain("run", CONFIG, "--set", "faults.stop_after_batch=15", "--run-dir", run_dir)
@@ -86,6 +87,7 @@ def test_stopped_run_resumes_bitwise_identical(clean_run: Path, tmp_path: Path) 
     assert [e["metrics"] for e in summary["validation_history"]] == [e["metrics"] for e in clean_history]
 
 
+@pytest.mark.slow  # starts `dtrain run` two or more times
 def test_local_sgd_run_resumes_bitwise_identical_with_each_rank_s_own_momentum(tmp_path: Path) -> None:
     """Between averaging rounds each rank's momentum is its own; a checkpoint keeps every rank's, so a stopped
     local SGD run resumes where an uninterrupted one goes (with rank 0's momentum on every rank it would not)."""
@@ -100,6 +102,7 @@ def test_local_sgd_run_resumes_bitwise_identical_with_each_rank_s_own_momentum(t
     assert final_model(tmp_path / "resumed") == final_model(tmp_path / "whole")
 
 
+@pytest.mark.slow  # starts `dtrain run` two or more times
 def test_auto_tuned_fusion_run_resumes_bitwise_identical(tmp_path: Path) -> None:
     """A 2.4 MB model tunes between two bucket sizes in its first 41 batches; a run stopped after tuning
     resumes with the size it chose and ends bitwise where an uninterrupted auto-tuned run ends."""
@@ -217,6 +220,7 @@ def test_data_error_in_a_worker_fails_fast_without_restarts(tmp_path: Path) -> N
     assert summary["status"] == "failed"
 
 
+@pytest.mark.slow  # starts `dtrain run` two or more times
 def test_parameter_server_run_stops_resumes_and_reports(tmp_path: Path) -> None:
     """3 workers (one 3x slower) and 2 servers in ssp mode: started by plain torchrun with 5 processes and stopped
     after batch 20, resumed by `dtrain run` (the servers' state comes back from the checkpoint), with the per-run

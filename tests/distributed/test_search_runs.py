@@ -21,8 +21,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from dtrain.search import asha
 from tests.conftest import FIXTURES, subprocess_env
+
+pytestmark = pytest.mark.slow  # each test runs a search: several trials, each a `dtrain run`
 
 DTRAIN = [sys.executable, "-m", "dtrain.cli"]
 SEARCH = FIXTURES / "digits_search.yaml"

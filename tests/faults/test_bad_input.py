@@ -289,6 +289,7 @@ def test_malformed_checkpoint(name: str, one_worker_checkpoint: Path, tmp_path: 
     assert {k: v for k, v in after.items() if k in before} == before, [k for k in before if after.get(k) != before[k]]
 
 
+@pytest.mark.slow  # starts `dtrain run` two or more times
 def test_corrupt_checkpoint_through_dtrain_run(tmp_path: Path) -> None:
     """The whole path: `dtrain run` on a run dir whose only checkpoint is corrupt stops with one line and
     exit code 2, without restarting the workers, and leaves the checkpoint as it was."""

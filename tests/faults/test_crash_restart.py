@@ -15,6 +15,8 @@ from faultkit import CONFIG, dtrain, error_lines, fault_records, final_model, su
 
 from dtrain.train import checkpoint as ckpt
 
+pytestmark = pytest.mark.slow  # workers are killed and restarted, several runs per test
+
 
 @pytest.fixture(scope="module")
 def clean_model(tmp_path_factory: pytest.TempPathFactory) -> bytes:

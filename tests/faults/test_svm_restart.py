@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 from faultkit import dtrain, fault_records, summary
+
+pytestmark = pytest.mark.slow  # a killed SMO run and its restart
 
 CONFIG = {
     "name": "svm_restart",
