@@ -29,8 +29,14 @@ KINDS = {"ALLREDUCE": 1, "ALLGATHER": 2, "BROADCAST": 3, "ALLTOALL": 4, "REDUCES
 KIND_NAMES = {code: name for name, code in KINDS.items()}
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
           torch.float32, torch.float64, torch.bool]
-REDUCIBLE = {torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64}
-MOVABLE = REDUCIBLE | {torch.uint8, torch.int8, torch.int16}
+REDUCIBLE = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+             torch.float32, torch.float64}
+MOVABLE = REDUCIBLE | {torch.bool}
+# What gloo cannot carry travels as a wider type and is narrowed back, exactly: int16 moves as int32 (every value
+# fits) and is reduced in int64 then wrapped to 16 bits, as a sum in int16 would wrap; fp16 and bf16 are reduced
+# in fp32 (as Horovod does on CPU) and move as themselves.
+MOVE_WIRE = {torch.int16: torch.int32}
+REDUCE_WIRE = {torch.int16: torch.int64, torch.float16: torch.float32, torch.bfloat16: torch.float32}
 MAX_DIMS = 8
 ROW = 6 + MAX_DIMS  # kind, dtype, ndim, op, root, join cycle, dims
 TORCH_OPS = {Sum: dist.ReduceOp.SUM, Average: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN, Max: dist.ReduceOp.MAX,
@@ -219,10 +225,35 @@ def _scale(tensor: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 def _work_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The buffer the reduction runs in: a contiguous copy, fp16/bf16 widened to fp32 (as Horovod does on CPU)."""
-    if tensor.dtype in (torch.float16, torch.bfloat16):
-        return tensor.detach().to(torch.float32).contiguous()
+    """The buffer the reduction runs in: a contiguous copy in the type it is reduced in (REDUCE_WIRE)."""
+    wire = REDUCE_WIRE.get(tensor.dtype)
+    if wire is not None:
+        return tensor.detach().to(wire).contiguous()
     return tensor.detach().clone().contiguous()
+
+
+def _wrap(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An integer buffer reduced in a wider type, narrowed to `dtype` (two's-complement wrap, as the sum or
+    product in `dtype` itself gives); floating buffers are returned as they are (scaled before narrowing)."""
+    if buffer.dtype == dtype or dtype.is_floating_point:
+        return buffer
+    return buffer.to(dtype)
+
+
+def _scaled_input(buffer: torch.Tensor, dtype: torch.dtype, prescale: float) -> torch.Tensor:
+    """`prescale` applied to a rank's input before the reduction; integers are truncated to `dtype`, as Horovod's
+    prescale on an integer tensor is."""
+    _scale(buffer, prescale)
+    if prescale != 1.0 and buffer.dtype != dtype and not dtype.is_floating_point:
+        buffer.copy_(buffer.to(dtype))
+    return buffer
+
+
+def _to_wire(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of `tensor` in a type the backend carries (MOVE_WIRE), for allgather, broadcast,
+    alltoall."""
+    wire = MOVE_WIRE.get(tensor.dtype)
+    return tensor.detach().to(wire).contiguous() if wire is not None else tensor.detach().clone().contiguous()
 
 
 def _start_allreduce(tensor: torch.Tensor, op: int, prescale: float, postscale: float, process_set: ProcessSet,
@@ -231,8 +262,8 @@ def _start_allreduce(tensor: torch.Tensor, op: int, prescale: float, postscale: 
     `checked_before` (the same collective already agreed on by every rank) the negotiation is not waited for
     here: the returned work waits for it and checks it."""
     if tensor.dtype not in REDUCIBLE:
-        raise ValueError(f"allreduce '{name}': dtype {tensor.dtype} is not reducible; use int32, int64, float16, "
-                         "bfloat16, float32 or float64")
+        raise ValueError(f"allreduce '{name}': dtype {tensor.dtype} is not reducible; use uint8, int8, int16, int32, "
+                         "int64, float16, bfloat16, float32 or float64")
     if op not in basics.OP_NAMES:
         raise ValueError(f"allreduce '{name}': unknown op {op}; use hvd.Average, Sum, Adasum, Min, Max or Product")
     group = _group_of(process_set)
@@ -243,8 +274,7 @@ def _start_allreduce(tensor: torch.Tensor, op: int, prescale: float, postscale: 
     else:
         negotiate("ALLREDUCE", name, tensor, group, op=op, ranks=process_set.ranks)
     negotiated = time.perf_counter()
-    buffer = _work_tensor(tensor)
-    _scale(buffer, prescale)
+    buffer = _scaled_input(_work_tensor(tensor), tensor.dtype, prescale)
     world = process_set.size()
     if op == Adasum:
         if not buffer.is_floating_point():
@@ -280,6 +310,7 @@ class _CheckedWork:
 
 def _finish_allreduce(tensor: torch.Tensor, buffer: torch.Tensor, post: float, out: torch.Tensor | None
                       ) -> torch.Tensor:
+    buffer = _wrap(buffer, tensor.dtype)
     _scale(buffer, post)
     if out is None:
         return buffer.to(tensor.dtype) if buffer.dtype != tensor.dtype else buffer
@@ -424,12 +455,12 @@ def _allgather_now(tensor: torch.Tensor, process_set: ProcessSet, name: str) -> 
     negotiated = time.perf_counter()
     firsts = [int(row[6]) for row in table]
     largest = max(firsts)
-    padded = torch.zeros((largest, *tensor.shape[1:]), dtype=tensor.dtype)
+    padded = torch.zeros((largest, *tensor.shape[1:]), dtype=MOVE_WIRE.get(tensor.dtype, tensor.dtype))
     padded[:tensor.shape[0]] = tensor.detach()
     pieces = [torch.empty_like(padded) for _ in firsts]
     dist.all_gather(pieces, padded, group=group)
     basics.record_span("ALLGATHER", name, started, time.perf_counter(), negotiated)
-    return torch.cat([piece[:n] for piece, n in zip(pieces, firsts, strict=True)]), firsts
+    return torch.cat([piece[:n] for piece, n in zip(pieces, firsts, strict=True)]).to(tensor.dtype), firsts
 
 
 class _AllgatherFn(torch.autograd.Function):
@@ -480,7 +511,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 
 def _broadcast_now(tensor: torch.Tensor, root_rank: int, process_set: ProcessSet, name: str,
                    out: torch.Tensor | None) -> torch.Tensor:
-    if tensor.dtype not in MOVABLE and tensor.dtype != torch.bool:
+    if tensor.dtype not in MOVABLE:
         raise ValueError(f"broadcast '{name}': unsupported dtype {tensor.dtype}")
     group = _group_of(process_set)
     members = process_set.ranks if process_set.ranks is not None else list(range(basics.size()))
@@ -490,10 +521,11 @@ def _broadcast_now(tensor: torch.Tensor, root_rank: int, process_set: ProcessSet
     started = time.perf_counter()
     negotiate("BROADCAST", name, tensor, group, root=root_rank, ranks=process_set.ranks)
     negotiated = time.perf_counter()
-    direct = out is not None and out.is_contiguous()
-    buffer = out.detach() if direct else tensor.detach().clone().contiguous()  # type: ignore[union-attr]
+    direct = out is not None and out.is_contiguous() and tensor.dtype not in MOVE_WIRE
+    buffer = out.detach() if direct else _to_wire(tensor)  # type: ignore[union-attr]
     dist.broadcast(buffer, src=root_rank, group=group)
     basics.record_span("BROADCAST", name, started, time.perf_counter(), negotiated)
+    buffer = buffer.to(tensor.dtype)
     if out is None:
         return buffer
     if not direct:
@@ -574,11 +606,11 @@ def _alltoall_now(tensor: torch.Tensor, splits: Any, process_set: ProcessSet, na
     matrix = torch.stack(columns)
     me = process_set.rank()
     received = [int(v) for v in matrix[:, me]]
-    output = torch.empty((sum(received), *tensor.shape[1:]), dtype=tensor.dtype)
-    dist.all_to_all_single(output, tensor.detach().contiguous(), output_split_sizes=received,
-                           input_split_sizes=send, group=group)
+    sent = _to_wire(tensor) if tensor.dtype in MOVE_WIRE else tensor.detach().contiguous()
+    output = torch.empty((sum(received), *tensor.shape[1:]), dtype=sent.dtype)
+    dist.all_to_all_single(output, sent, output_split_sizes=received, input_split_sizes=send, group=group)
     basics.record_span("ALLTOALL", name, started, time.perf_counter(), negotiated)
-    return output, torch.tensor(received, dtype=torch.int32)
+    return output.to(tensor.dtype), torch.tensor(received, dtype=torch.int32)
 
 
 class _AlltoallFn(torch.autograd.Function):
@@ -630,9 +662,11 @@ def _reducescatter_now(tensor: torch.Tensor, op: int, prescale: float, postscale
     group = _group_of(process_set)
     started = time.perf_counter()
     negotiate("REDUCESCATTER", name, tensor, group, op=op, ranks=process_set.ranks)
-    buffer = _work_tensor(tensor)
-    _scale(buffer, prescale)
+    if tensor.dtype not in REDUCIBLE:
+        raise ValueError(f"reducescatter '{name}': dtype {tensor.dtype} is not reducible")
+    buffer = _scaled_input(_work_tensor(tensor), tensor.dtype, prescale)
     dist.all_reduce(buffer, group=group)
+    buffer = _wrap(buffer, tensor.dtype)
     _scale(buffer, postscale / process_set.size() if op == Average else postscale)
     offset, count = _my_rows(tensor.shape[0], process_set.size(), process_set.rank())
     basics.record_span("REDUCESCATTER", name, started, time.perf_counter())
@@ -721,7 +755,7 @@ def join(device: int = -1) -> int:
             if kind == "ALLREDUCE":
                 dims = [int(d) for d in live[6:6 + min(int(live[2]), MAX_DIMS)]]
                 dtype = DTYPES[int(live[1])]
-                work_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+                work_dtype = REDUCE_WIRE.get(dtype, dtype)
                 op = int(live[3])
                 zeros = torch.zeros(dims, dtype=work_dtype)
                 if op == Adasum:
