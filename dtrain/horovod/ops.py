@@ -173,8 +173,30 @@ def _submit(name: str, finish: Callable[[], Any], work: Any = None) -> int:
     return _NEXT[0]
 
 
-def poll(handle: int) -> bool:
+class SparseHandle:
+    """What `sparse_allreduce_async` returns, as in Horovod: call it (or pass it to `synchronize`) for the
+    reduced sparse tensor; `poll` says whether both all-gathers (indices, values) have finished."""
+
+    def __init__(self, indices: int, values: int, op: int, size: int, shape: torch.Size) -> None:
+        self._handles, self._op, self._size, self._shape = (indices, values), op, size, shape
+        self._result: torch.Tensor | None = None
+
+    def poll(self) -> bool:
+        return self._result is not None or all(poll(h) for h in self._handles)
+
+    def __call__(self) -> torch.Tensor:
+        if self._result is None:
+            indices, values = (synchronize(h) for h in self._handles)
+            if self._op == Average:
+                values = values / self._size
+            self._result = torch.sparse_coo_tensor(indices.t(), values, self._shape)
+        return self._result
+
+
+def poll(handle: int | SparseHandle) -> bool:
     """Whether the async op behind `handle` has finished (then `synchronize` will not block)."""
+    if isinstance(handle, SparseHandle):
+        return handle.poll()
     pending = _HANDLES.get(handle)
     if pending is None:
         raise ValueError(f"unknown handle {handle}")
@@ -182,8 +204,10 @@ def poll(handle: int) -> bool:
     return all(w is None or w.is_completed() for w in works)
 
 
-def synchronize(handle: int) -> Any:
+def synchronize(handle: int | SparseHandle) -> Any:
     """Wait for the async op behind `handle` and return its output."""
+    if isinstance(handle, SparseHandle):
+        return handle()
     pending = _HANDLES.pop(handle, None)
     if pending is None:
         raise ValueError(f"unknown handle {handle} (already synchronized?)")
@@ -426,25 +450,24 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
 
 
 def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int = Average,
-                           process_set: ProcessSet = global_process_set) -> int:
-    """A sparse gradient's reduction as Horovod does it: indices and values all-gathered (values divided by the
-    set's size for Average) into one sparse tensor, duplicates kept (coalesce to sum them)."""
+                           process_set: ProcessSet = global_process_set) -> SparseHandle:
+    """A sparse gradient's reduction as Horovod does it: indices and values all-gathered asynchronously (values
+    divided by the set's size for Average) into one sparse tensor, duplicates kept (coalesce to sum them).
+    Returns a handle to call, or to pass to `synchronize`, for the result."""
     if op not in (Average, Sum):
         raise ValueError(f"sparse allreduce '{name}' supports hvd.Average and hvd.Sum, not "
                          f"{basics.OP_NAMES.get(op, op)}")
-    sparse = tensor.coalesce() if not tensor.is_coalesced() else tensor
-    indices = allgather(sparse.indices().t().contiguous(), name=f"{name}.indices", process_set=process_set)
-    values = allgather(sparse.values().contiguous(), name=f"{name}.values", process_set=process_set)
-    if op == Average:
-        values = values / process_set.size()
-    result = torch.sparse_coo_tensor(indices.t(), values, tensor.shape)
-    return _submit(_name("sparse_allreduce", name), lambda: result)
+    indices = allgather_async(tensor._indices().t().contiguous(), name=f"{name}.indices", process_set=process_set)
+    values = allgather_async(tensor._values().contiguous(), name=f"{name}.values", process_set=process_set)
+    return SparseHandle(indices, values, op, process_set.size(), tensor.shape)
 
 
 # ------------------------------------------------------------------------------------------- allgather
 
 
-def _allgather_now(tensor: torch.Tensor, process_set: ProcessSet, name: str) -> tuple[torch.Tensor, list[int]]:
+def _start_allgather(tensor: torch.Tensor, process_set: ProcessSet, name: str
+                     ) -> tuple[Any, Callable[[], tuple[torch.Tensor, list[int]]]]:
+    """Negotiate and start the all-gather; returns (work, finish), finish giving (output, dim 0 of each rank)."""
     if tensor.dim() == 0:
         raise ValueError(f"allgather '{name}' needs a tensor of at least one dimension (it concatenates dim 0)")
     if tensor.dtype not in MOVABLE:
@@ -458,9 +481,19 @@ def _allgather_now(tensor: torch.Tensor, process_set: ProcessSet, name: str) -> 
     padded = torch.zeros((largest, *tensor.shape[1:]), dtype=MOVE_WIRE.get(tensor.dtype, tensor.dtype))
     padded[:tensor.shape[0]] = tensor.detach()
     pieces = [torch.empty_like(padded) for _ in firsts]
-    dist.all_gather(pieces, padded, group=group)
-    basics.record_span("ALLGATHER", name, started, time.perf_counter(), negotiated)
-    return torch.cat([piece[:n] for piece, n in zip(pieces, firsts, strict=True)]).to(tensor.dtype), firsts
+    work = dist.all_gather(pieces, padded, group=group, async_op=True)
+
+    def finish() -> tuple[torch.Tensor, list[int]]:
+        basics.record_span("ALLGATHER", name, started, time.perf_counter(), negotiated)
+        return torch.cat([piece[:n] for piece, n in zip(pieces, firsts, strict=True)]).to(tensor.dtype), firsts
+
+    return work, finish
+
+
+def _allgather_now(tensor: torch.Tensor, process_set: ProcessSet, name: str) -> tuple[torch.Tensor, list[int]]:
+    work, finish = _start_allgather(tensor, process_set, name)
+    work.wait()
+    return finish()
 
 
 class _AllgatherFn(torch.autograd.Function):
@@ -489,8 +522,8 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Proces
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     full = _name("allgather", name)
-    result, _ = _allgather_now(tensor, process_set, full)
-    return _submit(full, lambda: result)
+    work, finish = _start_allgather(tensor, process_set, full)
+    return _submit(full, lambda: finish()[0], work)
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -502,15 +535,17 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> int:
     base = _name("allgather", name)
-    results = [_allgather_now(t, process_set, f"{base}.{i}")[0] for i, t in enumerate(tensors)]
-    return _submit(base, lambda: results)
+    started = [_start_allgather(t, process_set, f"{base}.{i}") for i, t in enumerate(tensors)]
+    return _submit(base, lambda: [finish()[0] for _, finish in started], [work for work, _ in started])
 
 
 # ------------------------------------------------------------------------------------------- broadcast
 
 
-def _broadcast_now(tensor: torch.Tensor, root_rank: int, process_set: ProcessSet, name: str,
-                   out: torch.Tensor | None) -> torch.Tensor:
+def _start_broadcast(tensor: torch.Tensor, root_rank: int, process_set: ProcessSet, name: str,
+                     out: torch.Tensor | None) -> tuple[Any, Callable[[], torch.Tensor]]:
+    """Negotiate and start the broadcast; returns (work, finish), finish writing `out` (if given) and returning
+    the result."""
     if tensor.dtype not in MOVABLE:
         raise ValueError(f"broadcast '{name}': unsupported dtype {tensor.dtype}")
     group = _group_of(process_set)
@@ -523,15 +558,26 @@ def _broadcast_now(tensor: torch.Tensor, root_rank: int, process_set: ProcessSet
     negotiated = time.perf_counter()
     direct = out is not None and out.is_contiguous() and tensor.dtype not in MOVE_WIRE
     buffer = out.detach() if direct else _to_wire(tensor)  # type: ignore[union-attr]
-    dist.broadcast(buffer, src=root_rank, group=group)
-    basics.record_span("BROADCAST", name, started, time.perf_counter(), negotiated)
-    buffer = buffer.to(tensor.dtype)
-    if out is None:
-        return buffer
-    if not direct:
-        with torch.no_grad():
-            out.copy_(buffer)
-    return out
+    work = dist.broadcast(buffer, src=root_rank, group=group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        basics.record_span("BROADCAST", name, started, time.perf_counter(), negotiated)
+        result = buffer.to(tensor.dtype)
+        if out is None:
+            return result
+        if not direct:
+            with torch.no_grad():
+                out.copy_(result)
+        return out
+
+    return work, finish
+
+
+def _broadcast_now(tensor: torch.Tensor, root_rank: int, process_set: ProcessSet, name: str,
+                   out: torch.Tensor | None) -> torch.Tensor:
+    work, finish = _start_broadcast(tensor, root_rank, process_set, name, out)
+    work.wait()
+    return finish()
 
 
 class _BroadcastFn(torch.autograd.Function):
@@ -566,22 +612,33 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     full = _name("broadcast", name)
-    result = _broadcast_now(tensor, root_rank, process_set, full, None)
-    return _submit(full, lambda: result)
+    work, finish = _start_broadcast(tensor, root_rank, process_set, full, None)
+    return _submit(full, finish, work)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> int:
     full = _name("broadcast", name)
-    result = _broadcast_now(tensor, root_rank, process_set, full, tensor)
-    return _submit(full, lambda: result)
+    work, finish = _start_broadcast(tensor, root_rank, process_set, full, tensor)
+    return _submit(full, finish, work)
 
 
 # ------------------------------------------------------------------------------------------- alltoall
 
 
-def _alltoall_now(tensor: torch.Tensor, splits: Any, process_set: ProcessSet, name: str
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def _split_problem(send: list[int], first: int, world: int, given: bool) -> str | None:
+    """Why a rank's splits cannot be used (None when they can)."""
+    if not given and first % world:
+        return f"dim 0 ({first}) must divide evenly by the number of ranks ({world}) when no splits are given"
+    if len(send) != world or any(s < 0 for s in send) or sum(send) != first:
+        return f"splits {send} must give one non-negative count per rank ({world}) adding up to dim 0 ({first})"
+    return None
+
+
+def _start_alltoall(tensor: torch.Tensor, splits: Any, process_set: ProcessSet, name: str
+                    ) -> tuple[Any, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
+    """Negotiate, exchange the splits and start the all-to-all; returns (work, finish). Bad splits on any rank
+    raise the same ValueError on every rank, after the exchange, so no rank is left waiting."""
     if tensor.dtype not in MOVABLE:
         raise ValueError(f"alltoall '{name}': unsupported dtype {tensor.dtype}")
     group = _group_of(process_set)
@@ -589,28 +646,44 @@ def _alltoall_now(tensor: torch.Tensor, splits: Any, process_set: ProcessSet, na
     if tensor.dim() == 0:
         raise ValueError(f"alltoall '{name}' needs a tensor of at least one dimension")
     if splits is None:
-        if tensor.shape[0] % world:
-            raise ValueError(f"alltoall '{name}': dim 0 ({tensor.shape[0]}) must divide evenly by the number of "
-                             f"ranks ({world}) when no splits are given")
         send = [tensor.shape[0] // world] * world
     else:
         send = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
-        if len(send) != world or any(s < 0 for s in send) or sum(send) != tensor.shape[0]:
-            raise ValueError(f"alltoall '{name}': splits {send} must give one non-negative count per rank "
-                             f"({world}) adding up to dim 0 ({tensor.shape[0]})")
     started = time.perf_counter()
     negotiate("ALLTOALL", name, tensor, group, ranks=process_set.ranks)
     negotiated = time.perf_counter()
-    columns = [torch.empty(world, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(columns, torch.tensor(send, dtype=torch.int64), group=group)
-    matrix = torch.stack(columns)
+    problem = _split_problem(send, tensor.shape[0], world, splits is not None)
+    row = torch.full((world + 1,), -1, dtype=torch.int64)
+    if problem is None:
+        row[:world] = torch.tensor(send, dtype=torch.int64)
+        row[world] = 0
+    columns = [torch.empty(world + 1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(columns, row, group=group)
+    bad = [r for r, column in enumerate(columns) if int(column[world]) != 0]
+    if bad:
+        members = process_set.ranks if process_set.ranks is not None else list(range(world))
+        raise ValueError(f"alltoall '{name}': rank(s) {[members[r] for r in bad]} gave unusable splits"
+                         + (f" ({problem})" if problem else ""))
+    matrix = torch.stack(columns)[:, :world]
     me = process_set.rank()
     received = [int(v) for v in matrix[:, me]]
     sent = _to_wire(tensor) if tensor.dtype in MOVE_WIRE else tensor.detach().contiguous()
     output = torch.empty((sum(received), *tensor.shape[1:]), dtype=sent.dtype)
-    dist.all_to_all_single(output, sent, output_split_sizes=received, input_split_sizes=send, group=group)
-    basics.record_span("ALLTOALL", name, started, time.perf_counter(), negotiated)
-    return output.to(tensor.dtype), torch.tensor(received, dtype=torch.int32)
+    work = dist.all_to_all_single(output, sent, output_split_sizes=received, input_split_sizes=send, group=group,
+                                  async_op=True)
+
+    def finish() -> tuple[torch.Tensor, torch.Tensor]:
+        basics.record_span("ALLTOALL", name, started, time.perf_counter(), negotiated)
+        return output.to(tensor.dtype), torch.tensor(received, dtype=torch.int32)
+
+    return work, finish
+
+
+def _alltoall_now(tensor: torch.Tensor, splits: Any, process_set: ProcessSet, name: str
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    work, finish = _start_alltoall(tensor, splits, process_set, name)
+    work.wait()
+    return finish()
 
 
 class _AlltoallFn(torch.autograd.Function):
@@ -639,8 +712,13 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
                    process_set: ProcessSet = global_process_set) -> int:
     full = _name("alltoall", name)
-    output, received = _alltoall_now(tensor, splits, process_set, full)
-    return _submit(full, lambda: output if splits is None else (output, received))
+    work, finish = _start_alltoall(tensor, splits, process_set, full)
+
+    def result() -> Any:
+        output, received = finish()
+        return output if splits is None else (output, received)
+
+    return _submit(full, result, work)
 
 
 # ------------------------------------------------------------------------------------------- reducescatter
@@ -652,25 +730,38 @@ def _my_rows(first: int, world: int, me: int) -> tuple[int, int]:
     return me * base + min(me, extra), base + (1 if me < extra else 0)
 
 
-def _reducescatter_now(tensor: torch.Tensor, op: int, prescale: float, postscale: float,
-                       process_set: ProcessSet, name: str) -> torch.Tensor:
+def _start_reducescatter(tensor: torch.Tensor, op: int, prescale: float, postscale: float,
+                         process_set: ProcessSet, name: str) -> tuple[Any, Callable[[], torch.Tensor]]:
+    """Negotiate and start the reduction; returns (work, finish), finish giving this rank's rows. Only Sum and
+    Average: any other op raises RuntimeError, as Horovod's core answers it."""
     if op not in (Average, Sum):
-        raise ValueError(f"reducescatter '{name}' supports hvd.Average and hvd.Sum, not "
-                         f"{basics.OP_NAMES.get(op, op)}")
+        raise RuntimeError(f"reducescatter '{name}' supports hvd.Average and hvd.Sum, not "
+                           f"{basics.OP_NAMES.get(op, op)}")
     if tensor.dim() == 0:
-        raise ValueError(f"reducescatter '{name}' needs a tensor of at least one dimension (it splits dim 0)")
+        raise RuntimeError(f"reducescatter '{name}' needs a tensor of at least one dimension (it splits dim 0)")
     group = _group_of(process_set)
     started = time.perf_counter()
     negotiate("REDUCESCATTER", name, tensor, group, op=op, ranks=process_set.ranks)
     if tensor.dtype not in REDUCIBLE:
         raise ValueError(f"reducescatter '{name}': dtype {tensor.dtype} is not reducible")
     buffer = _scaled_input(_work_tensor(tensor), tensor.dtype, prescale)
-    dist.all_reduce(buffer, group=group)
-    buffer = _wrap(buffer, tensor.dtype)
-    _scale(buffer, postscale / process_set.size() if op == Average else postscale)
-    offset, count = _my_rows(tensor.shape[0], process_set.size(), process_set.rank())
-    basics.record_span("REDUCESCATTER", name, started, time.perf_counter())
-    return buffer.narrow(0, offset, count).to(tensor.dtype).clone()
+    work = dist.all_reduce(buffer, group=group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        reduced = _wrap(buffer, tensor.dtype)
+        _scale(reduced, postscale / process_set.size() if op == Average else postscale)
+        offset, count = _my_rows(tensor.shape[0], process_set.size(), process_set.rank())
+        basics.record_span("REDUCESCATTER", name, started, time.perf_counter())
+        return reduced.narrow(0, offset, count).to(tensor.dtype).clone()
+
+    return work, finish
+
+
+def _reducescatter_now(tensor: torch.Tensor, op: int, prescale: float, postscale: float,
+                       process_set: ProcessSet, name: str) -> torch.Tensor:
+    work, finish = _start_reducescatter(tensor, op, prescale, postscale, process_set, name)
+    work.wait()
+    return finish()
 
 
 class _ReducescatterFn(torch.autograd.Function):
@@ -705,8 +796,8 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int =
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> int:
     full = _name("reducescatter", name)
-    result = _reducescatter_now(tensor, op, prescale_factor, postscale_factor, process_set, full)
-    return _submit(full, lambda: result)
+    work, finish = _start_reducescatter(tensor, op, prescale_factor, postscale_factor, process_set, full)
+    return _submit(full, finish, work)
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None, compression: Any = None,
@@ -721,9 +812,9 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> int:
     base = _name("reducescatter", name)
-    results = [_reducescatter_now(t, op, prescale_factor, postscale_factor, process_set, f"{base}.{i}")
+    started = [_start_reducescatter(t, op, prescale_factor, postscale_factor, process_set, f"{base}.{i}")
                for i, t in enumerate(tensors)]
-    return _submit(base, lambda: results)
+    return _submit(base, lambda: [finish() for _, finish in started], [work for work, _ in started])
 
 
 # ------------------------------------------------------------------------------------------- barrier, join

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from dtrain.horovod import basics, ops
-from dtrain.horovod.basics import Adasum, Average, ProcessSet, global_process_set
+from dtrain.horovod.basics import Adasum, Average, ProcessSet, Sum, global_process_set
 from dtrain.horovod.compression import Compression, DtrainCompressor
 
 STEP_WARNING = ("optimizer.step() called without optimizer.skip_synchronize() context after "
@@ -51,7 +51,8 @@ class _DistributedOptimizer:
     _parameter_names: dict[torch.Tensor, str]
 
     def _setup(self, named_parameters: Any, compression: Any, backward_passes_per_step: int, op: int,
-               gradient_predivide_factor: float, groups: Any, process_set: ProcessSet) -> None:
+               gradient_predivide_factor: float, groups: Any, process_set: ProcessSet,
+               sparse_as_dense: bool = False) -> None:
         if backward_passes_per_step <= 0:
             raise ValueError(f"backward_passes_per_step must be > 0, got {backward_passes_per_step}")
         if gradient_predivide_factor != 1.0 and op != Average:
@@ -84,6 +85,8 @@ class _DistributedOptimizer:
         self.gradient_predivide_factor = gradient_predivide_factor
         self.process_set = process_set
         self._groups = groups
+        self._sparse_as_dense = sparse_as_dense
+        self._sparse: set[torch.Tensor] = set()  # parameters that have had a sparse gradient
         self._params = [p for p in params if p.requires_grad]
         self._passes = {p: backward_passes_per_step for p in self._params}
         self._synchronized = False
@@ -139,10 +142,19 @@ class _DistributedOptimizer:
 
     def _launch(self, index: int) -> None:
         bucket = self._bucket_list[index]
-        grads: list[torch.Tensor] = []
+        keep_sparse = not self._sparse_as_dense and self.op in (Average, Sum)
         for p in bucket:
             assert p.grad is not None  # a hook fired, or synchronize() gave it zeros
-            grads.append(p.grad.to_dense() if p.grad.is_sparse else p.grad)
+            if p.grad.is_sparse:
+                self._sparse.add(p)
+                if keep_sparse:  # as Horovod: indices and values all-gathered, the gradient stays sparse
+                    handle = ops.sparse_allreduce_async(p.grad, self._parameter_names[p], self.op,
+                                                        self.process_set)
+                    self._inflight.append(([p], handle))
+        bucket = [p for p in bucket if not (keep_sparse and p.grad is not None and p.grad.is_sparse)]
+        if not bucket:
+            return
+        grads = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in bucket]  # type: ignore[union-attr]
         flat = torch.cat([g.reshape(-1) for g in grads])
         name = f"{self._parameter_names[bucket[0]]}" + (f"+{len(bucket) - 1}" if len(bucket) > 1 else "")
         if self.op == Adasum or isinstance(self._compression, DtrainCompressor):
@@ -173,10 +185,15 @@ class _DistributedOptimizer:
         for p in self._params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+                if p in self._sparse and not self._sparse_as_dense:
+                    p.grad = p.grad.to_sparse()
         self._ready.update(self._params)
         self._launch_ready()
         for bucket, finish in self._inflight:
             reduced = finish()
+            if reduced.is_sparse:
+                bucket[0].grad = reduced.coalesce()
+                continue
             offset = 0
             with torch.no_grad():
                 for p in bucket:
@@ -276,5 +293,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     torch.optim.Optimizer.__init__(instance, optimizer.param_groups, dict(optimizer.defaults))
     instance.param_groups = optimizer.param_groups  # the same dicts: lr schedules act on both
     instance._setup(named_parameters, compression, backward_passes_per_step, op, gradient_predivide_factor,
-                    groups, process_set)
+                    groups, process_set, sparse_as_dense)
     return instance

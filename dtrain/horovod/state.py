@@ -38,20 +38,22 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None) -> None:
     """Give every rank `root_rank`'s optimizer state and hyperparameters (lr, momentum, betas, ...). An optimizer
     with no state yet first takes one step with zero gradients so that its state exists on every rank (as
-    Horovod does: Adam's step count becomes 1, SGD with weight decay moves the weights once)."""
+    Horovod does: Adam's step count becomes 1, SGD with weight decay moves the weights once; the zero gradients
+    stay, parameters without `requires_grad` keep none). The zero gradient is sparse for `SparseAdam` and for the
+    weights of `model`'s sparse embeddings."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     if not optimizer.state:
-        created = []
+        sparse = {id(module.weight) for module in (model.modules() if model is not None else [])
+                  if isinstance(module, torch.nn.Embedding | torch.nn.EmbeddingBag) and module.sparse}
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.requires_grad and p.grad is None:
+                if p.requires_grad:
                     p.grad = torch.zeros_like(p)
-                    created.append(p)
+                    if isinstance(optimizer, torch.optim.SparseAdam) or id(p) in sparse:
+                        p.grad = p.grad.to_sparse()
         base_step = getattr(optimizer, "_base_step", None)
         (base_step or optimizer.step)()
-        for p in created:
-            p.grad = None
     state = broadcast_object(optimizer.state_dict() if basics.rank() == root_rank else None, root_rank,
                              name="optimizer_state")
     if basics.rank() != root_rank:

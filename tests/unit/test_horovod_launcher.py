@@ -120,10 +120,10 @@ def test_single_process_api_before_and_after_init() -> None:
         with pytest.raises(ValueError, match="op and average"):
             hvd.allreduce(torch.ones(1), average=True, op=hvd.Sum)
         with pytest.raises(ValueError, match="not reducible"):
-            hvd.allreduce(torch.ones(1, dtype=torch.uint8))
+            hvd.allreduce(torch.ones(1, dtype=torch.bool))
         with pytest.raises(ValueError, match="adding up to dim 0"):
             hvd.alltoall(torch.ones(3), splits=[2])
-        with pytest.raises(ValueError, match="Average and hvd.Sum"):
+        with pytest.raises(RuntimeError, match="Average and hvd.Sum"):  # Horovod's core answers RuntimeError
             hvd.reducescatter(torch.ones(2), op=hvd.Max)
         model = torch.nn.Linear(2, 1)
         with pytest.raises(ValueError, match="unique"):
