@@ -154,7 +154,7 @@ class _DistributedOptimizer:
         bucket = [p for p in bucket if not (keep_sparse and p.grad is not None and p.grad.is_sparse)]
         if not bucket:
             return
-        grads = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in bucket]  # type: ignore[union-attr]
+        grads = [g.to_dense() if g.is_sparse else g for g in (p.grad for p in bucket) if g is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         name = f"{self._parameter_names[bucket[0]]}" + (f"+{len(bucket) - 1}" if len(bucket) > 1 else "")
         if self.op == Adasum or isinstance(self._compression, DtrainCompressor):
