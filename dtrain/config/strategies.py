@@ -152,7 +152,7 @@ class Pipeline(StrategySection):
                                            "backwards) or `1f1b` (one forward, one backward)")
     split_points: list[str] = Field(
         default_factory=list, description="names of the model's top-level children where stages 2..p begin (p-1 "
-        "names); empty: the Trial's `pipeline_stages(model)` hook, else equal numbers of children")
+        "names); empty: the model's own `pipeline_stages(p)` method when it has one, else equal numbers of children")
     receives: Literal["on_demand", "ahead"] = Field(
         default="on_demand", description="`on_demand`: torch's schedules, each receive posted just before it is "
         "waited for; `ahead`: each stage posts all its receives of a step when the step starts, so a hand-off is "

@@ -6,7 +6,9 @@ update. The interleaved schedules are not offered: on gloo they may hang (pytorc
 
 Where the model is cut: `distributed.pipeline.split_points` names the top-level children where stages 2..p
 begin; else a model method `pipeline_stages(p)` returns the p stage modules; else the children are cut into p
-runs of equal length. The top-level children must run in order (an nn.Sequential). The loss of the last stage
+runs of equal length. The top-level children must run in order (an nn.Sequential), each stage taking and returning
+one tensor: the first training step runs every stage on an example microbatch and stops the run with a TrialError
+naming the stage, its modules and what it returned or raised (`_run_stage`). The loss of the last stage
 comes from the Trial's `pipeline_loss(outputs, targets)`, and batches are `(inputs, targets)`.
 
 Each rank keeps only its own stage's parameters while it trains: the other stages' parameters and buffers keep
@@ -190,7 +192,15 @@ class PipelineStrategy:
             raise TrialError("strategy pipeline needs batches of (inputs, targets); the batch was "
                              f"{type(batch).__name__}")
         self._pipeline_loss = _trial_loss(train_batch)
+        trial = getattr(train_batch, "__self__", None)
+        if callable(getattr(trial, "pipeline_stages", None)) and not callable(getattr(model, "pipeline_stages", None)):
+            raise TrialError(f"the Trial {type(trial).__name__} defines pipeline_stages, which dtrain does not read: "
+                             "the stages come from distributed.pipeline.split_points or from a pipeline_stages(p) "
+                             "method of the model that build_model() returns; move the method to the model")
         inputs, targets = batch
+        if not isinstance(inputs, torch.Tensor):
+            raise TrialError("strategy pipeline needs batches of (inputs, targets) whose inputs are one tensor "
+                             f"(stage 0 takes it); the inputs were {describe_value(inputs)}")
         self._loss_scale = loss_scale
         self._losses = []
         self._release_other_stages()
@@ -265,8 +275,10 @@ class PipelineStrategy:
             with torch.no_grad():
                 output = part(piece)
             if not isinstance(output, torch.Tensor):
-                raise TrialError(f"pipeline stage {self.stage_index} returned {type(output).__name__}; each stage "
-                                 "must return one tensor")
+                raise TrialError(f"pipeline stage {self.stage_index} of {self.stages} (modules: "
+                                 f"{stage_modules(part)}) returned {describe_value(output)} in validation, not one "
+                                 "tensor; cut the model with distributed.pipeline.split_points or the model's "
+                                 "pipeline_stages(p) so that every stage returns one tensor")
             if following is None:
                 outputs.append(output)
             else:
@@ -323,8 +335,9 @@ class PipelineStrategy:
             return
         stage_input, stage_output = self._stage_shapes(micro)
         if self.stage_index > 0:  # activations from the previous stage carry gradients back to it
-            stage_input = stage_input.detach().requires_grad_(True)
-        stage_output = stage_output.detach().requires_grad_(True)
+            stage_input = stage_input.detach().contiguous().requires_grad_(True)
+        # contiguous: the receive buffers are made like these examples, and gloo receives into contiguous tensors only
+        stage_output = stage_output.detach().contiguous().requires_grad_(True)
         stage = _TimedStage(self._parts[self.stage_index], self.stage_index, self.stages, self.topology.device,
                             input_args=(stage_input,), output_args=stage_output, group=self.pipeline_group,
                             timer=self.own_compute, microbatches=self.microbatches,
@@ -342,12 +355,16 @@ class PipelineStrategy:
         for index, part in enumerate(self._parts):
             announced: list[Any] = [None]
             if index == self.stage_index:
-                with torch.no_grad():
-                    output = part(current)
-                mine = (current, output)
-                announced = [(tuple(output.shape), output.dtype)]
+                output, problem = _run_stage(part, current, index, self.stages, self.split_points)
+                if output is not None:
+                    mine = (current, output)
+                    announced = [(tuple(output.shape), output.dtype)]
+                else:
+                    announced = [problem]
             dist.broadcast_object_list(announced, src=dist.get_global_rank(self.pipeline_group, index),
                                        group=self.pipeline_group)
+            if isinstance(announced[0], str):  # every rank of the pipeline stops with the stage's own account
+                raise TrialError(announced[0])
             shape, dtype = announced[0]
             current = torch.zeros(shape, dtype=dtype, device=self.topology.device)
         assert mine is not None
@@ -485,6 +502,12 @@ class _TimedStage(PipelineStage):
         with self._timer():
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
+    def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        """The stage's forward, its output made contiguous: gloo sends only contiguous tensors, and a recurrent
+        layer's batch-first output is a transposed view."""
+        output = super().forward_maybe_with_nosync(*args, **kwargs)
+        return output.contiguous() if isinstance(output, torch.Tensor) else output
+
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> None:
         self._wait_posted("backward", bwd_chunk_id)
         with self._timer():
@@ -509,6 +532,47 @@ class _TimedStage(PipelineStage):
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> None:
         with self._timer():
             super().backward_weight_one_chunk(*args, **kwargs)
+
+
+def describe_value(value: Any) -> str:
+    """What a stage returned, in a few words: a tensor's shape and dtype, a tuple's or list's items, a dict's keys."""
+    if isinstance(value, torch.Tensor):
+        return f"Tensor{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, (tuple, list)):
+        items = ", ".join(describe_value(item) for item in value[:4]) + (", ..." if len(value) > 4 else "")
+        return f"a {type(value).__name__} of {len(value)} ({items})"
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} with keys {', '.join(repr(k) for k in list(value)[:6])}"
+    return f"a {type(value).__name__}"
+
+
+def stage_modules(part: nn.Module) -> str:
+    """The modules a stage holds, as `name (Class)`: its top-level children, or the stage itself."""
+    children = [f"{name} ({type(module).__name__})" for name, module in part.named_children()]
+    return ", ".join(children) if children else type(part).__name__
+
+
+def _run_stage(part: nn.Module, example: torch.Tensor, index: int, stages: int,
+               split_points: Sequence[str]) -> tuple[torch.Tensor | None, str]:
+    """Run stage `index` on an example microbatch (no gradient): its output, or None and the one line that says
+    which stage, the modules it holds, what it returned or raised, and how to cut the model instead."""
+    fix = ("cut the model so that every stage takes one tensor and returns one tensor: name the children where "
+           "stages begin in distributed.pipeline.split_points, or give the model a method pipeline_stages(p) that "
+           "returns the p stage modules (e.g. wrap a recurrent layer in a module that returns only its output "
+           "tensor); docs/sharding.md, 'Where the model is cut'")
+    where = f"pipeline stage {index} of {stages} (modules: {stage_modules(part)})"
+    if split_points:
+        where += f", cut at split_points {list(split_points)},"
+    try:
+        with torch.no_grad():
+            output = part(example)
+    except Exception as exc:  # the user's model code, run here first: named by its stage
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return None, (f"{where} raised {type(exc).__name__}: {text} on an input {describe_value(example)}; "
+                      f"if a module before it returns more than one tensor, {fix}")
+    if not isinstance(output, torch.Tensor):
+        return None, f"{where} returned {describe_value(output)}, not one tensor; {fix}"
+    return output, ""
 
 
 def _trial_loss(train_batch: TrainBatch) -> Any:
