@@ -95,8 +95,8 @@ def run_experiment(args: argparse.Namespace) -> int:
     node.validate(config.resources.world_size)
     if config.is_command:  # a command that cannot start fails here, before any worker starts
         check_command(config.entry.argv, loaded.base_dir)
-    else:  # so does a wrong Trial class
-        load_trial(config, loaded.base_dir)
+    else:  # so do a wrong Trial class and hyperparameters it cannot use
+        load_trial(config, loaded.base_dir).check_hyperparameters(config.hyperparameters)
     for warning in loaded.warnings:
         print(f"dtrain: warning: {warning}", file=sys.stderr)
     info = prepare_run_dir(config, args.run_dir, loaded.base_dir, register=node.node_rank == 0,

@@ -95,7 +95,9 @@ class SVC(ClassifierMixin, BaseEstimator):
 
     # ------------------------------------------------------------------ fit
 
-    def _params(self, X: Any) -> tuple[Kernel, SolverParams]:
+    def check_params(self) -> None:
+        """The parameters' rules that need no data, as one ConfigError line for the first one broken: `fit`
+        checks them, and `dtrain run` does before any worker starts (SVMTrial.check_hyperparameters)."""
         if not self.C > 0:
             raise ConfigError(f"C ({self.C!r}) must be > 0; use e.g. C: 1.0")
         if not self.tol > 0:
@@ -106,11 +108,21 @@ class SVC(ClassifierMixin, BaseEstimator):
         if self.multi_class not in ("ovo", "ovr"):
             raise ConfigError(f"multi_class {self.multi_class!r} must be 'ovo' or 'ovr'")
         check_mode(str(self.exchange))
+        # a gamma named by rule ('scale', 'auto') is resolved from the data in fit; any other must be a number > 0
+        gamma = 1.0 if self.gamma in ("scale", "auto") else resolve_gamma(self.gamma, None, 1)
+        Kernel(self.kernel, gamma=gamma, degree=int(self.degree), coef0=float(self.coef0))
+        self._elimination_policy()
+
+    def _elimination_policy(self) -> EliminationPolicy:
+        return EliminationPolicy(shrinking_heuristic(self.shrinking), every=int(self.shrink_every),
+                                 patience=int(self.shrink_patience), gap=self.shrink_gap,
+                                 margin=float(self.shrink_margin))
+
+    def _params(self, X: Any) -> tuple[Kernel, SolverParams]:
+        self.check_params()
         gamma = resolve_gamma(self.gamma, X, X.shape[1])
         kernel = Kernel(self.kernel, gamma=gamma, degree=int(self.degree), coef0=float(self.coef0))
-        policy = EliminationPolicy(shrinking_heuristic(self.shrinking), every=int(self.shrink_every),
-                                   patience=int(self.shrink_patience), gap=self.shrink_gap,
-                                   margin=float(self.shrink_margin))
+        policy = self._elimination_policy()
         params = SolverParams(kernel=kernel, C=float(self.C), tol=float(self.tol),
                               cache_bytes=int(self.cache_size * 2**20), max_iter=int(self.max_iter), policy=policy,
                               working_set=int(self.working_set), exchange=str(self.exchange))

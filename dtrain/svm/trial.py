@@ -15,6 +15,8 @@ the worker uses instead of the Trainer; the Trainer's loop is untouched.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,13 +65,23 @@ class SVMTrial(Trial):
     def build_validation_data(self) -> ArrayDataset:
         return self._split(1)
 
+    @classmethod
+    def check_hyperparameters(cls, hparams: Mapping[str, Any]) -> None:
+        """Every name but global_batch_size one of HPARAMS, and the estimator's rules that need no data."""
+        estimator_from(hparams).check_params()
+
     def build_estimator(self) -> SVC:
         """The estimator from the hyperparameters (every name but global_batch_size must be one of HPARAMS)."""
-        given = {k: v for k, v in self.context.hparams.items() if k != "global_batch_size"}
-        for name in given:
-            if name not in HPARAMS:
-                near = difflib.get_close_matches(name, HPARAMS, n=1)
-                hint = f"did you mean `{near[0]}`?" if near else f"the SVM trial's: {', '.join(HPARAMS)}"
-                raise TrialError(f"hyperparameter `{name}` is not one the SVM trial takes; {hint}")
-        return SVC(**given)
+        return estimator_from(self.context.hparams)
+
+
+def estimator_from(hparams: Mapping[str, Any]) -> SVC:
+    """The SVC the hyperparameters describe; a name that is not one of HPARAMS is one line suggesting the nearest."""
+    given = {k: v for k, v in hparams.items() if k != "global_batch_size"}
+    for name in given:
+        if name not in HPARAMS:
+            near = difflib.get_close_matches(name, HPARAMS, n=1)
+            hint = f"did you mean `{near[0]}`?" if near else f"the SVM trial's: {', '.join(HPARAMS)}"
+            raise TrialError(f"hyperparameter `{name}` is not one the SVM trial takes; {hint}")
+    return SVC(**given)
 

@@ -97,6 +97,12 @@ class Trial:
     def __init__(self, context: TrialContext) -> None:
         self.context = context
 
+    @classmethod
+    def check_hyperparameters(cls, hparams: Mapping[str, Any]) -> None:
+        """Raise a one-line ConfigError or TrialError for hyperparameters this Trial cannot use. `dtrain run`
+        calls it before any worker starts, so that a bad value stops the run there rather than in every worker;
+        the default accepts any."""
+
     def build_model(self) -> nn.Module:
         raise NotImplementedError("build_model() must return the torch.nn.Module to train")
 
