@@ -4,9 +4,13 @@ Modes (seeds 001 and 003):
 - `sync`: an update waits for a gradient from every worker computed on the current parameters and applies their
   mean; with `backup_workers` b it applies the first W-b to arrive, and gradients arriving after their update
   are dropped (counted) - the straggler then continues from the current parameters (Chen et al. 2016).
-- `async`: each gradient is applied when it arrives, as its share (1/W) of a global batch's mean gradient, so that
-  W updates move the parameters as far as one synchronous update (one worker: plain SGD); its staleness is the
-  number of updates applied since the worker pulled the parameters it was computed on.
+- `async`: each gradient is applied when it arrives, as its share (1/W) of a global batch's update, so that the W
+  gradients of a global batch move the parameters as one synchronous update would, to first order, for any
+  optimizer (one worker: exactly plain training). The share (`_apply_share`): the optimizer steps with the gradient
+  as if it were the global batch's mean, from the optimizer state the global batch started with, and 1/W of the
+  change it makes to the parameters and to its state is kept. Dividing the gradient by W instead holds for plain
+  SGD only: Adam normalises the scale away (W full steps per global batch), momentum decays W times. Its staleness
+  is the number of updates applied since the worker pulled the parameters it was computed on.
 - `ssp` (stale-synchronous, Ho et al. 2013): as async, but the reply that lets a worker start its next step is
   held while the worker's clock (its applied gradients) is more than `staleness` ahead of the slowest worker's.
 With `staleness_lr` a gradient of staleness t > 1 is applied with the rate divided by t (Zhang et al. 2016).
@@ -96,6 +100,8 @@ class ShardServer:
         self.paused: set[int] = set()
         self._round: list[tuple[int, torch.Tensor, Future[Reply], float, list[dict[str, Any]]]] = []
         self._held: list[tuple[int, Future[Reply], float]] = []
+        # async, ssp: the optimizer state the current global batch (W applied gradients) started from
+        self._batch_start: dict[int, dict[str, Any]] = {}
         self.stats = ShardStats(held_seconds=[0.0] * workers)
         self.params: list[torch.nn.Parameter] = []
         self.optimizer: torch.optim.Optimizer | None = None
@@ -127,7 +133,8 @@ class ShardServer:
         with self.lock:
             return {"params": [p.detach().clone() for p in self.params], "optimizer": self.optimizer.state_dict(),
                     "version": self.version, "applied": self.applied, "clocks": list(self.clocks),
-                    "stats": self.stats.to_dict(), "layout": self.spec.layout}
+                    "stats": self.stats.to_dict(), "layout": self.spec.layout,
+                    "batch_start": [_copy_state(self._batch_start.get(id(p), {})) for p in self.params]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         assert self.optimizer is not None and self.spec is not None
@@ -142,6 +149,9 @@ class ShardServer:
             self.version, self.applied = int(state["version"]), int(state["applied"])
             self.clocks = [int(c) for c in state["clocks"]]
             self.stats = ShardStats.from_dict(state["stats"])
+            saved = state.get("batch_start")  # absent from checkpoints of earlier versions: start a global batch
+            self._batch_start = ({id(p): _copy_state(entry) for p, entry in zip(self.params, saved, strict=True)}
+                                 if saved is not None else self._optimizer_state())
 
     # ------------------------------------------------------------------------------------ push and pull
 
@@ -173,7 +183,7 @@ class ShardServer:
                         done += self._apply_round()
             else:
                 self.stats.staleness[staleness] += 1
-                self._apply(grad / self.workers, options, staleness)  # its share of a global batch's mean
+                self._apply_share(grad, options, staleness)
                 self.applied += 1
                 self.clocks[worker] += 1
                 if self.mode == "async":
@@ -225,6 +235,39 @@ class ShardServer:
         self.optimizer.step()
         self.version += 1
 
+    def _apply_share(self, grad: torch.Tensor, options: list[dict[str, Any]], staleness: int) -> None:
+        """Apply one worker's gradient as its 1/W share of a global batch's update (async, ssp): an optimizer step
+        with `grad` as if it were the global batch's mean gradient, taken from the optimizer state the global batch
+        started with, of which 1/W of the change to the parameters and to the optimizer state is kept. The W shares
+        of a global batch add up to the mean of the W updates, which equals the update of the mean gradient to first
+        order in the gradients' spread (exactly for SGD, and for the linear state, Adam's first moment, momentum);
+        an optimizer's step counter advances by 1/W a share, one a global batch, and every share is corrected
+        (Adam's bias correction) as the batch's one step."""
+        assert self.optimizer is not None
+        if self.workers == 1:
+            self._apply(grad, options, staleness)
+            return
+        before = [param.detach().clone() for param in self.params]
+        current = self._optimizer_state()
+        for param in self.params:  # the step starts from the global batch's starting state
+            self.optimizer.state[param] = _copy_state(self._batch_start.get(id(param), {}))
+        self._apply(grad, options, staleness)
+        with torch.no_grad():
+            for param, old in zip(self.params, before, strict=True):
+                param.copy_(old + (param - old) / self.workers)
+        for param in self.params:
+            stepped, start, now = self.optimizer.state[param], self._batch_start.get(id(param), {}), current.get(
+                id(param), {})
+            self.optimizer.state[param] = {key: _share(now.get(key), start.get(key), value, self.workers)
+                                           for key, value in stepped.items()}
+        if (self.applied + 1) % self.workers == 0:  # this gradient ends a global batch
+            self._batch_start = self._optimizer_state()
+
+    def _optimizer_state(self) -> dict[int, dict[str, Any]]:
+        """A copy of the optimizer's state, by parameter id."""
+        assert self.optimizer is not None
+        return {id(param): _copy_state(self.optimizer.state.get(param, {})) for param in self.params}
+
     def _release_held(self) -> list[tuple[Future[Reply], Reply]]:
         active = [c for w, c in enumerate(self.clocks) if w not in self.paused]
         slowest = min(active) if active else min(self.clocks)
@@ -250,3 +293,18 @@ class ShardServer:
         if worker is not None:
             self.stats.bytes_pulled += params.numel() * params.element_size()
         return Reply(params=params, version=self.version, global_step=self._global_step(), held_seconds=held)
+
+
+def _copy_state(state: dict[str, Any]) -> dict[str, Any]:
+    return {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
+
+
+def _share(now: Any, start: Any, stepped: Any, workers: int) -> Any:
+    """An optimizer state entry after one share: `now` moved by 1/W of the change one full step made from `start`
+    (an entry the optimizer creates on its first step starts from zero, as Adam's moments do and as SGD's momentum
+    buffer, a copy of the first gradient, averages to the batch's mean). Entries that are not numbers are kept."""
+    numeric = isinstance(stepped, torch.Tensor) and stepped.is_floating_point() or isinstance(stepped, float)
+    if not numeric:
+        return stepped
+    base = 0.0 if start is None else start
+    return (0.0 if now is None else now) + (stepped - base) / workers
