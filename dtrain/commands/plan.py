@@ -315,7 +315,7 @@ def run_plan(args: argparse.Namespace) -> int:
     batch = per_device_batch_for(devices, per_device_batch=per_device, global_batch=args.global_batch)
     prediction = predict_step(model, compute, topology, strategy, devices, batch)
     advice = advise(model, compute, topology, strategy, devices, batch, args.target_efficiency)
-    memory, memory_text = _memory(args, model.parameters, devices)
+    memory, memory_text = _memory(args, model, devices, topology.devices_in_a_node(devices))
     uneven, uneven_text = _uneven(args, prediction, devices)
     if args.json:
         print(json.dumps({"setup": header, "prediction": prediction.to_dict(),
@@ -352,25 +352,39 @@ def _uneven(args: argparse.Namespace, prediction: Any, devices: int) -> tuple[di
     return out, text
 
 
-def _memory(args: argparse.Namespace, parameters: float, devices: int) -> tuple[dict[str, Any], str]:
-    """Model-state bytes per rank for each layout, the pipeline bubble, and the layout that fits a device."""
-    from dtrain.plan.memory import bubble_fraction, model_state_bytes, recommend_layout
+def _memory(args: argparse.Namespace, model: Any, devices: int, per_node: int) -> tuple[dict[str, Any], str]:
+    """Model-state bytes per rank for each layout (hsdp sharded over the `per_node` ranks of a node), the bytes a
+    rank sends per step under the data-parallel layouts, the pipeline bubble, and the layout that fits a device."""
+    from dtrain.plan.memory import bubble_fraction, model_state_bytes, recommend_layout, step_traffic
+
+    parameters = model.parameters
 
     _positive("--device-memory-gb", args.device_memory_gb)
     if args.stages < 2 or args.microbatches < 1:
         raise PlanError(f"--stages {args.stages} must be >= 2 and --microbatches {args.microbatches} >= 1")
     layouts = {layout: model_state_bytes(parameters, layout, devices, args.optimizer_state).total_bytes
                for layout in ("ddp", "zero1", "zero2", "fsdp")}
+    shard = per_node if devices % per_node == 0 else devices
+    layouts["hsdp"] = model_state_bytes(parameters, "hsdp", devices, args.optimizer_state,
+                                        shard_ranks=shard).total_bytes
+    traffic = {layout: step_traffic(model.gradient_bytes, layout, devices, shard) for layout in ("ddp", "fsdp", "hsdp")}
     if devices % args.stages == 0:
         layouts[f"pipeline{args.stages}"] = model_state_bytes(parameters, "ddp", devices // args.stages,
                                                               args.optimizer_state, stages=args.stages).total_bytes
     bubble = bubble_fraction(args.stages, args.microbatches)
     info: dict[str, Any] = {"optimizer_state": args.optimizer_state, "model_state_bytes_per_rank": layouts,
+                            "hsdp_shard_ranks": shard,
+                            "sent_bytes_per_rank_per_step": {layout: {"within_node": t.within_node_bytes,
+                                                                      "across_nodes": t.across_nodes_bytes}
+                                                             for layout, t in traffic.items()},
                             "pipeline": {"stages": args.stages, "microbatches": args.microbatches,
                                          "bubble_fraction": bubble}}
     lines = [f"memory per rank ({devices} ranks, {args.optimizer_state}): " + ", ".join(
         f"{name}{' (not built)' if name == 'zero2' else ''} {value / 1e9:.3g} GB" for name, value in layouts.items()),
-        f"  pipeline bubble at p={args.stages}, m={args.microbatches}: {bubble:.1%} of a step idle"]
+        f"  pipeline bubble at p={args.stages}, m={args.microbatches}: {bubble:.1%} of a step idle",
+        f"  sent per rank per step (within a node / across nodes; hsdp sharded over {shard} ranks): " + ", ".join(
+            f"{layout} {t.within_node_bytes / 1e9:.3g} / {t.across_nodes_bytes / 1e9:.3g} GB"
+            for layout, t in traffic.items())]
     if args.device_memory_gb is not None:
         chosen, _ = recommend_layout(parameters, devices, args.device_memory_gb * 1e9, args.optimizer_state)
         info["recommended_layout"] = chosen

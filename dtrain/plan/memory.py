@@ -9,6 +9,13 @@ gradients in fp32 (autocast casts inside the ops), so its bytes per parameter ar
 (two fp32 moments), 4 for SGD with momentum, 0 for plain SGD: also 16 bytes with Adam.
 
 GPipe (Huang et al. 2019): with p stages and m microbatches the idle fraction of a step is (p - 1) / (m + p - 1).
+
+Hybrid sharding (HSDP, PyTorch FSDP's HYBRID_SHARD): the model state is sharded as FSDP's over the S ranks of a
+shard group (one node) and replicated over the R = N / S groups, so a rank holds 16/S bytes per parameter with
+Adam. Per step each rank all-gathers the parameters (twice with `reshard_after_forward`: forward and backward)
+and reduce-scatters the gradients inside its group, (S - 1)/S of the model's bytes each on a ring, and
+all-reduces its 1/S gradient shard across the groups, 2 (R - 1)/R of it. FSDP is HSDP with S = N, DDP one
+all-reduce of the whole gradient, 2 (N - 1)/N of it.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ LAYOUTS = {
     "zero1": (False, False, True),
     "zero2": (False, True, True),
     "fsdp": (True, True, True),  # ZeRO stage 3
+    "hsdp": (True, True, True),  # ZeRO stage 3 inside a shard group (`shard_ranks`), replicated across the groups
 }
 RECOMMENDATION_ORDER = ("ddp", "zero1", "fsdp")  # the layouts dtrain builds, least communication first
 
@@ -48,12 +56,12 @@ class MemoryEstimate:
 
 
 def model_state_bytes(parameters: float, layout: str, ranks: int, optimizer: str = "adam",
-                      stages: int = 1) -> MemoryEstimate:
+                      stages: int = 1, shard_ranks: int | None = None) -> MemoryEstimate:
     """Bytes of weights, gradients and optimizer state on one rank for `parameters` parameters. `stages` > 1:
     dtrain's pipeline, where a rank holds its own stage's weights, gradients and optimizer state (1/stages of the
     model, equal stages assumed) while it trains, on top of `layout` over the ranks = data replicas. Not counted:
     rank 0 holds the whole weights while it hands the stages out at construction, and every rank while a Trial
-    without `pipeline_metrics` validates."""
+    without `pipeline_metrics` validates. `shard_ranks`: hsdp's shard group (default all `ranks`, FSDP)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {', '.join(LAYOUTS)}")
     if ranks < 1 or stages < 1:
@@ -61,11 +69,59 @@ def model_state_bytes(parameters: float, layout: str, ranks: int, optimizer: str
     weight, grad, state = PRECISIONS[optimizer]
     shard_w, shard_g, shard_s = LAYOUTS[layout]
     per_stage = parameters / stages
+    over = _shard_group(layout, ranks, shard_ranks)
     return MemoryEstimate(
         layout=layout, ranks=ranks,
-        weight_bytes=weight * per_stage / (ranks if shard_w else 1),
-        gradient_bytes=grad * per_stage / (ranks if shard_g else 1),
-        optimizer_bytes=state * per_stage / (ranks if shard_s else 1))
+        weight_bytes=weight * per_stage / (over if shard_w else 1),
+        gradient_bytes=grad * per_stage / (over if shard_g else 1),
+        optimizer_bytes=state * per_stage / (over if shard_s else 1))
+
+
+def _shard_group(layout: str, ranks: int, shard_ranks: int | None) -> int:
+    """The ranks the layout shards over: hsdp's shard group, else all of them."""
+    if layout != "hsdp" or shard_ranks is None:
+        return ranks
+    if shard_ranks < 1 or ranks % shard_ranks:
+        raise ValueError(f"shard_ranks {shard_ranks} must divide ranks {ranks}")
+    return shard_ranks
+
+
+@dataclass(frozen=True)
+class TrafficEstimate:
+    """Bytes one rank sends per step for the model state's collectives (ring algorithms), split by whether the
+    collective's group stays inside a node or spans nodes."""
+
+    layout: str
+    within_node_bytes: float
+    across_nodes_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.within_node_bytes + self.across_nodes_bytes
+
+
+def step_traffic(model_bytes: float, layout: str, ranks: int, ranks_per_node: int,
+                 reshard_after_forward: bool = True) -> TrafficEstimate:
+    """Bytes a rank sends per step under `ddp` (one all-reduce), `fsdp` (all-gathers and a reduce-scatter over all
+    ranks) or `hsdp` (those inside each node's shard group, then an all-reduce of the 1/S shard across the
+    groups), for a model of `model_bytes` (fp32 parameters = gradient bytes). A group spans nodes when `ranks`
+    exceeds `ranks_per_node`."""
+    if ranks < 1 or ranks_per_node < 1:
+        raise ValueError("ranks and ranks_per_node must be at least 1")
+    gathers = 2 if reshard_after_forward else 1
+    spans = ranks > ranks_per_node
+    if layout == "ddp":
+        sent = 2 * (ranks - 1) / ranks * model_bytes
+        return TrafficEstimate(layout, 0.0 if spans else sent, sent if spans else 0.0)
+    if layout == "fsdp":
+        sent = (gathers + 1) * (ranks - 1) / ranks * model_bytes
+        return TrafficEstimate(layout, 0.0 if spans else sent, sent if spans else 0.0)
+    if layout == "hsdp":
+        shard = min(ranks, ranks_per_node)
+        replicas = ranks // _shard_group(layout, ranks, shard)
+        return TrafficEstimate(layout, (gathers + 1) * (shard - 1) / shard * model_bytes,
+                               2 * (replicas - 1) / replicas * model_bytes / shard)
+    raise ValueError(f"layout {layout!r}: step traffic is modelled for ddp, fsdp and hsdp")
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:

@@ -214,6 +214,20 @@ def test_plan_prints_a_prediction_and_json(capsys: pytest.CaptureFixture[str]) -
     assert {r["topic"] for r in payload["recommendations"]} == {"parameter servers", "batch size", "compression"}
 
 
+def test_plan_gives_hsdps_memory_and_the_bytes_it_keeps_inside_a_node(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "plan", "--model", "resnet50", "--samples-per-second", "400", "--devices", "32",
+                           "--devices-per-node", "8", "--json")
+    memory = json.loads(out)["memory"]
+    per_rank = memory["model_state_bytes_per_rank"]
+    assert code == 0 and memory["hsdp_shard_ranks"] == 8
+    assert per_rank["hsdp"] == pytest.approx(4 * per_rank["fsdp"])  # sharded over 8 ranks, not 32
+    sent = memory["sent_bytes_per_rank_per_step"]
+    assert sent["hsdp"]["across_nodes"] < sent["ddp"]["across_nodes"] / 8 and sent["fsdp"]["within_node"] == 0
+    code, out, _ = run_cli(capsys, "plan", "--model", "resnet50", "--samples-per-second", "400", "--devices", "32",
+                           "--devices-per-node", "8")
+    assert "hsdp" in out and "sent per rank per step (within a node / across nodes" in out
+
+
 def test_plan_sweep_writes_a_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     png = tmp_path / "curve.png"
     code, out, _ = run_cli(capsys, "plan", "--model", "bert-large", "--device-tflops", "100", "--sweep",
