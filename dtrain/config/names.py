@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-StrategyName = Literal["allreduce", "parameter_server", "local_sgd", "hierarchical", "zero1", "fsdp", "pipeline"]
+StrategyName = Literal["allreduce", "parameter_server", "local_sgd", "hierarchical", "zero1", "fsdp", "pipeline",
+                       "hsdp"]
 DEFAULT_STRATEGY: StrategyName = "allreduce"
 ReduceOp = Literal["average", "sum", "adasum"]
 ParameterServerMode = Literal["sync", "async", "ssp"]

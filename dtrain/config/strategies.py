@@ -193,6 +193,28 @@ class Fsdp(StrategySection):
                                         "and gather them again in backward (less memory, one more all-gather)")
 
 
+class Hsdp(StrategySection):
+    """Hybrid sharding (strategy `hsdp`, FSDP2 over a 2-D mesh): each group of `shard_size` ranks holds one
+    replica sharded as `fsdp` shards over all ranks, and the groups are replicas of each other, so all-gathers
+    stay inside a group (a node) and only gradient shards are all-reduced between groups."""
+
+    shard_size: int | None = Field(default=None, ge=1, description="ranks one replica is sharded over (a group "
+                                   "of consecutive ranks); unset: the ranks of one node")
+    reshard_after_forward: bool = Field(default=True, description="free the gathered parameters after forward "
+                                        "and gather them again in backward (less memory, one more all-gather)")
+
+    def single_slot_overrides(self) -> tuple[str, ...]:
+        """One slot is one group of one rank."""
+        return ("distributed.hsdp.shard_size=null",) if self.shard_size else ()
+
+    def check(self, config: ExperimentConfig) -> None:
+        world = config.resources.world_size
+        if self.shard_size is not None and world % self.shard_size:
+            raise ValueError(f"distributed.hsdp.shard_size ({self.shard_size}) must divide "
+                             f"resources.slots_per_trial ({world}) into equal shard groups; use a divisor of {world}, "
+                             "or leave it unset to shard over the ranks of one node")
+
+
 class StrategySections(Section):
     """The strategy named and one section per strategy, each under the strategy's name (the base of the
     `distributed` section)."""
@@ -202,8 +224,9 @@ class StrategySections(Section):
                                    "`parameter_server` (server processes hold the parameters), `local_sgd` "
                                    "(periodic averaging, post-local SGD, DiLoCo), `hierarchical` (all-reduce "
                                    "inside each node, then between nodes), `zero1` (DDP with the optimizer state "
-                                   "sharded), `fsdp` (parameters, gradients and optimizer state sharded) or "
-                                   "`pipeline` (stages x data replicas)")
+                                   "sharded), `fsdp` (parameters, gradients and optimizer state sharded), "
+                                   "`pipeline` (stages x data replicas) or `hsdp` (sharded as fsdp inside each "
+                                   "node, replicated across nodes)")
     allreduce: AllReduce = Field(default_factory=AllReduce, description="settings of strategy `allreduce` (none)")
     parameter_server: ParameterServer = Field(default_factory=ParameterServer,
                                               description="settings of strategy `parameter_server`")
@@ -213,6 +236,7 @@ class StrategySections(Section):
     zero1: Zero1 = Field(default_factory=Zero1, description="settings of strategy `zero1` (none)")
     fsdp: Fsdp = Field(default_factory=Fsdp, description="settings of strategy `fsdp`")
     pipeline: Pipeline = Field(default_factory=Pipeline, description="settings of strategy `pipeline`")
+    hsdp: Hsdp = Field(default_factory=Hsdp, description="settings of strategy `hsdp`")
 
     @property
     def chosen(self) -> StrategySection:

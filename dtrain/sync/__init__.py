@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dtrain.comm import Topology
 from dtrain.config import ExperimentConfig
-from dtrain.sync import allreduce, fsdp, hierarchical, local_sgd, parameter_server, pipeline, zero
+from dtrain.sync import allreduce, fsdp, hierarchical, hsdp, local_sgd, parameter_server, pipeline, zero
 from dtrain.sync.allreduce import AllReduceStrategy
 from dtrain.sync.base import (
     AsynchronousPacing,
@@ -45,6 +45,7 @@ REGISTRY: dict[str, StrategySpec] = {spec.name: spec for spec in (
     zero.SPEC,
     fsdp.SPEC,
     pipeline.SPEC,
+    hsdp.SPEC,
 )}
 
 

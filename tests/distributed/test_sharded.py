@@ -599,3 +599,77 @@ def test_pipeline_x_data_on_a_2x2_mesh_equals_single_process(spawn: Callable[...
         for mine, theirs in zip(staged_metrics, whole_metrics, strict=True):
             assert mine.keys() == theirs.keys()
             assert all(mine[k] == pytest.approx(theirs[k], rel=1e-9) for k in theirs), (mine, theirs)
+
+
+HSDP_2X2 = {**case("hsdp", hsdp={"shard_size": 2}), **UNEVEN_VALIDATION, "resources": {"slots_per_trial": 4}}
+
+
+def _hsdp_state_bytes(topology: Topology) -> dict[str, Any]:
+    """One Adam step of a 4-layer MLP under HSDP (2 replicas x 2 shards) and under FSDP2 over the 2 ranks of this
+    rank's shard group alone (a node of 2): this rank's bytes of parameters, gradients and optimizer state under
+    each, and the parameter count."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from dtrain.sync.fsdp import FsdpStrategy
+    from dtrain.sync.hsdp import HsdpStrategy
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group, in one order
+
+    class FsdpInANode(FsdpStrategy):
+        def shard_mesh(self) -> DeviceMesh:
+            return DeviceMesh.from_group(pairs[topology.rank // 2], "cpu", mesh_dim_names=("data",))
+
+    measured: dict[str, Any] = {}
+    for layout, strategy in (("hsdp", HsdpStrategy(topology, shard_size=2)), ("fsdp_in_a_node", FsdpInANode(topology))):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+        wrapped = strategy.wrap_model(model)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        wrapped(torch.randn(8, 256)).sum().backward()
+        strategy.step(optimizer)
+        states = optimizer.state.values()
+        measured[layout] = (_local_bytes(model.parameters())
+                            + _local_bytes(p.grad for p in model.parameters() if p.grad is not None)
+                            + _local_bytes(v for s in states for v in s.values() if isinstance(v, torch.Tensor)
+                                           and v.numel() > 1))
+        measured["parameters"] = sum(p.numel() for p in model.parameters())
+        del model, wrapped, optimizer, states
+    return measured
+
+
+def _hsdp_all(topology: Topology, root: str) -> dict[str, Any]:
+    results = _train_all(topology, root, {"hsdp": HSDP_2X2}, False)
+    results["memory"] = _hsdp_state_bytes(topology)
+    results["resumed"] = _interrupted_and_resumed(topology, Path(root) / "hsdp_resumed", HSDP_2X2)
+    return results
+
+
+def test_hsdp_on_a_2x2_mesh_equals_single_process_and_holds_fsdps_state_of_a_node(
+        spawn: Callable[..., list[Any]], tmp_path: Path) -> None:
+    """4 ranks: 2 replicas x 2 shards (distributed.hsdp.shard_size 2). Each rank's weights after 5 steps equal one
+    process on the full batch (float64, 1e-9); validation with unequal batch counts per rank runs as FSDP's does;
+    a run resumed from its sharded step-2 checkpoint ends bitwise equal, and `dtrain export` joins its shards;
+    a rank holds the model state FSDP2 over its own pair of ranks holds, half DDP's, as `dtrain plan` predicts."""
+    from dtrain.plan.memory import model_state_bytes
+
+    ranks = spawn(_hsdp_all, 4, str(tmp_path), timeout=240)
+    reference = _reference(HSDP_2X2, _sgd)
+    start = _reference({**HSDP_2X2, "searcher": RAW["searcher"]}, lambda m: torch.optim.SGD(m.parameters(), lr=0))
+    assert _relative(start, reference) > 1e-3  # the run moved the weights
+    for rank in ranks:
+        assert _relative(rank["hsdp"]["state"], reference) < 1e-9
+        assert rank["hsdp"]["identical"]
+        assert rank["hsdp"]["validation"]
+        memory = rank["memory"]
+        assert memory["hsdp"] == memory["fsdp_in_a_node"]
+        predicted = model_state_bytes(memory["parameters"], "hsdp", 4, "adam", shard_ranks=2).total_bytes
+        assert abs(memory["hsdp"] - predicted) <= 0.1 * predicted
+    assert ranks[0]["hsdp"]["validation"] == ranks[3]["hsdp"]["validation"]
+    for rank in ranks:
+        uninterrupted = rank["hsdp"]["state"]
+        assert rank["resumed"]["resumed_from_shards"]
+        assert all(torch.equal(rank["resumed"]["state"][k], uninterrupted[k]) for k in uninterrupted)
+    exported = ranks[0]["resumed"]["exported"]
+    assert set(exported) == set(reference) and all(torch.equal(exported[k], ranks[0]["hsdp"]["state"][k])
+                                                   for k in exported)
