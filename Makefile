@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dtrain-setup
 DATA_DIR := /usr/share/datasets/fashion-mnist
 
-.PHONY: setup data demo test test-fast test-unit test-distributed test-faults test-root bench lint clean
+.PHONY: setup data demo test test-fast test-unit test-distributed test-faults test-root bench lint clean slurm-up slurm-down
 
 setup: $(STAMP) data
 
@@ -59,6 +59,14 @@ test-faults: setup
 # Tests that need root (network namespaces); without it they are skipped and -rs prints why.
 test-root: setup
 	$(PY) -m pytest tests/root -q -rs
+
+# A real Slurm cluster (Debian's Slurm and munge, installed when missing) of two nodes in network namespaces, for
+# trying sbatch and srun by hand (as root); `slurm-down` stops its daemons and removes it (safe to run twice).
+slurm-up: setup
+	$(PY) benchmarks/slurm_cluster.py up
+
+slurm-down:
+	@PYTHONPATH=. $(if $(wildcard $(PY)),$(PY),$(PYTHON)) benchmarks/slurm_cluster.py down
 
 bench: setup
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/demo_vs_ddp.py

@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dtrain.runs.processes import process_alive
 
@@ -64,6 +65,36 @@ class Node:
     def wrap(self, argv: Sequence[str]) -> list[str]:
         """The command line that runs `argv` on this node."""
         return ["ip", "netns", "exec", self.namespace, *argv]
+
+    def wrap_host(self, argv: Sequence[str], hostname: str, hosts_file: str | Path) -> list[str]:
+        """The command line that runs `argv` on this node as a machine named `hostname` that resolves names
+        through `hosts_file`: in the node's network namespace (entered with nsenter, which leaves /sys alone,
+        unlike `ip netns exec`) and a mount and UTS namespace of its own, where the hosts file is bind-mounted
+        over /etc/hosts and the hostname set. Everything the command starts inherits both."""
+        script = 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"'
+        return ["nsenter", f"--net=/run/netns/{self.namespace}", "unshare", "--mount", "--uts", "sh", "-c", script,
+                "sh", str(hosts_file), hostname, *argv]
+
+
+@dataclass
+class Network:
+    """Namespaces and links built by `build_network`: enough to remove them again, from this process or another
+    (`to_json` / `from_json`)."""
+
+    nodes: list[Node]
+    rate: str | None
+    links: list[str] = field(default_factory=list)  # root-namespace ends to delete
+    bridge: str | None = None
+    bridge_address: str | None = None  # the root namespace's own address on the bridge, if it has one
+
+    def to_json(self) -> dict[str, object]:
+        return {"nodes": [vars(node) for node in self.nodes], "rate": self.rate, "links": self.links,
+                "bridge": self.bridge, "bridge_address": self.bridge_address}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Network:
+        return cls([Node(**node) for node in data["nodes"]], data["rate"], list(data["links"]), data["bridge"],
+                   data.get("bridge_address"))
 
 
 @dataclass
@@ -105,58 +136,80 @@ def _shape(namespace: str | None, device: str, rate: str, burst: str, latency: s
     _run(*prefix, "tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", rate, "burst", burst, "latency", latency)
 
 
-@contextmanager
-def emulated_cluster(nodes: int = 2, rate: str | None = "200mbit", *, subnet: str = "10.77.0",
-                     burst: str = "256kbit", latency: str = "50ms") -> Iterator[Cluster]:
-    """Create `nodes` namespaces joined by links capped at `rate`; remove everything on exit."""
+def build_network(nodes: int, rate: str | None, *, subnet: str = "10.77.0", burst: str = "256kbit",
+                  latency: str = "50ms", names: Sequence[str] | None = None, first_host: int = 1,
+                  bridge_address: str | None = None) -> Network:
+    """Create `nodes` namespaces (named `names`, or dtn<tag><i>) joined by links capped at `rate`; node i gets
+    `<subnet>.<first_host + i>`. Two nodes are joined by a veth pair, unless the root namespace joins them too
+    (`bridge_address`, its own address on a bridge, e.g. for a controller that runs there); more by a bridge.
+    On a failure half way, what was built is removed and ClusterUnavailable raised."""
     reason = unavailable_reason()
     if reason:
         raise ClusterUnavailable(reason)
     if not 2 <= nodes <= 200:
         raise ValueError(f"nodes must be in 2..200, got {nodes}")
     tag = uuid.uuid4().hex[:6]
-    built: list[Node] = []
-    bridge = f"dtb{tag}" if nodes > 2 else None
-    links: list[str] = []  # root-namespace ends to delete
+    use_bridge = nodes > 2 or bridge_address is not None
+    network = Network([], rate, bridge=f"dtb{tag}" if use_bridge else None, bridge_address=bridge_address)
     try:
-        if bridge:
-            _run("ip", "link", "add", bridge, "type", "bridge")
-            _run("ip", "link", "set", bridge, "up")
+        if network.bridge:
+            _run("ip", "link", "add", network.bridge, "type", "bridge")
+            network.links.append(network.bridge)
+            if bridge_address:
+                _run("ip", "addr", "add", f"{bridge_address}/24", "dev", network.bridge)
+            _run("ip", "link", "set", network.bridge, "up")
         for index in range(nodes):
-            namespace, inner, outer = f"dtn{tag}{index}", f"dtv{tag}{index}", f"dto{tag}{index}"
+            namespace = names[index] if names else f"dtn{tag}{index}"
+            inner, outer = f"dtv{tag}{index}", f"dto{tag}{index}"
             _run("ip", "netns", "add", namespace)
-            built.append(Node(namespace, inner, f"{subnet}.{index + 1}"))
-            if bridge or index == 0:
-                peer = outer if bridge else f"dtv{tag}1"
+            network.nodes.append(Node(namespace, inner, f"{subnet}.{first_host + index}"))
+            if network.bridge or index == 0:
+                peer = outer if network.bridge else f"dtv{tag}1"
                 _run("ip", "link", "add", inner, "type", "veth", "peer", "name", peer)
-                links.append(inner)
+                network.links.append(inner)
                 _run("ip", "link", "set", inner, "netns", namespace)
-                if bridge:
-                    _run("ip", "link", "set", outer, "master", bridge)
+                if network.bridge:
+                    _run("ip", "link", "set", outer, "master", network.bridge)
                     _run("ip", "link", "set", outer, "up")
             else:  # the second end of the pair
                 _run("ip", "link", "set", inner, "netns", namespace)
-        for node in built:
+        for node in network.nodes:
             inside = ["ip", "netns", "exec", node.namespace]
             _run(*inside, "ip", "link", "set", "lo", "up")
             _run(*inside, "ip", "addr", "add", f"{node.address}/24", "dev", node.interface)
             _run(*inside, "ip", "link", "set", node.interface, "up")
             if rate:
                 _shape(node.namespace, node.interface, rate, burst, latency)
-        cluster = Cluster(built, rate)
+    except BaseException:
+        remove_network(network)
+        raise
+    return network
+
+
+def remove_network(network: Network) -> None:
+    """Kill every process left in the namespaces, then delete the namespaces, links and bridge; what is already
+    gone is skipped, so that removing twice is harmless."""
+    for node in network.nodes:  # torch's agent starts each worker in a session of its own
+        _kill_everything_in(node.namespace)
+        subprocess.run(["ip", "netns", "del", node.namespace], capture_output=True)
+    for link in network.links:
+        subprocess.run(["ip", "link", "del", link], capture_output=True)
+
+
+@contextmanager
+def emulated_cluster(nodes: int = 2, rate: str | None = "200mbit", *, subnet: str = "10.77.0",
+                     burst: str = "256kbit", latency: str = "50ms") -> Iterator[Cluster]:
+    """Create `nodes` namespaces joined by links capped at `rate`; remove everything on exit."""
+    network = build_network(nodes, rate, subnet=subnet, burst=burst, latency=latency)
+    cluster = Cluster(network.nodes, rate)
+    try:
         yield cluster
     finally:
-        for process in locals().get("cluster", Cluster([], None)).processes:
+        for process in cluster.processes:
             if process.poll() is None:
                 process.kill()
                 process.wait()
-        for node in built:  # what those processes left: torch's agent starts each worker in a session of its own
-            _kill_everything_in(node.namespace)
-            subprocess.run(["ip", "netns", "del", node.namespace], capture_output=True)
-        for link in links:
-            subprocess.run(["ip", "link", "del", link], capture_output=True)
-        if bridge:
-            subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+        remove_network(network)
 
 
 def _kill_everything_in(namespace: str) -> None:
@@ -192,5 +245,5 @@ def measure_link_mbit_per_s(cluster: Cluster, megabytes: int = 8) -> float:
     return float(result.stdout.strip())
 
 
-__all__ = ["Cluster", "ClusterUnavailable", "Node", "emulated_cluster", "measure_link_mbit_per_s",
-           "unavailable_reason"]
+__all__ = ["Cluster", "ClusterUnavailable", "Network", "Node", "build_network", "emulated_cluster",
+           "measure_link_mbit_per_s", "remove_network", "unavailable_reason"]

@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dtrain.worker",
                                      description="Run one dtrain worker (started by dtrain run, torchrun or srun).")
     parser.add_argument("config", nargs="?", help="experiment YAML (omit when DIR was prepared by `dtrain run`)")
-    parser.add_argument("--run-dir", required=True, type=Path, help="the run directory shared by all workers")
+    parser.add_argument("--run-dir", type=Path, help="the run directory shared by all workers (required, except in a "
+                        "Slurm job with CONFIG: runs/<name>/slurm-<job id>, where a requeued job resumes)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key (only with CONFIG)")
     return parser
@@ -57,11 +58,13 @@ def _setup_logging(run_dir: Path, rank: int, name: str | None = None, debug: boo
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def _threads_per_worker() -> int:
+def _threads_per_worker(local_world_size: int) -> int:
+    """OMP_NUM_THREADS, else this machine's cores shared by its workers (as `dtrain run` sets it: the same thread
+    count, and so the same sums, however the workers were started)."""
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         return int(os.environ["OMP_NUM_THREADS"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    return max(cores // max(local_world_size, 1), 1)
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -71,14 +74,16 @@ def run_worker(args: argparse.Namespace) -> int:
     from dtrain.comm import barrier, init_distributed, read_launch_env
     from dtrain.config import check_buildable, load_config, read_yaml
     from dtrain.determined.entrypoint import load_trial
-    from dtrain.runs.rundir import CONFIG_FILE, load_run_info, prepare_run_dir
+    from dtrain.runs.rundir import CONFIG_FILE, load_run_info, prepare_run_dir, slurm_run_dir
     from dtrain.train.trainer import Trainer
 
-    run_dir: Path = args.run_dir
     launch = read_launch_env()
     if args.config is not None:
         loaded = load_config(args.config, args.overrides)
-    else:
+        if args.run_dir is None:
+            args.run_dir = slurm_run_dir(loaded.config.name, os.environ["SLURM_JOB_ID"])
+    run_dir: Path = args.run_dir
+    if args.config is None:
         if not (run_dir / CONFIG_FILE).is_file():
             raise LaunchError(f"{run_dir / CONFIG_FILE} does not exist; pass the experiment YAML as CONFIG")
         loaded = load_config(None, raw=read_yaml(run_dir / CONFIG_FILE))
@@ -89,7 +94,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
         config_dir = loaded.base_dir if args.config is not None else load_run_info(run_dir).config_dir
         exec_command(config.entry.argv, run_dir, config_dir, launch.rank)
-    torch.set_num_threads(_threads_per_worker())
+    torch.set_num_threads(_threads_per_worker(launch.local_world_size))
     from dtrain.sync import strategy_spec
 
     spec = strategy_spec(config.distributed.strategy)
@@ -100,9 +105,12 @@ def run_worker(args: argparse.Namespace) -> int:
     if topology.is_server:
         config_dir = loaded.base_dir if args.config is not None else load_run_info(run_dir).config_dir
         return _serve(run_dir, config, topology, config_dir, spec)
-    if args.config is not None:
-        if launch.local_rank == 0:
-            prepare_run_dir(config, run_dir, loaded.base_dir, register=launch.node_rank == 0)
+    if args.config is not None:  # the chief's node first: on a shared file system the other nodes find it prepared
+        if launch.local_rank == 0 and launch.node_rank == 0:
+            prepare_run_dir(config, run_dir, loaded.base_dir, register=True)
+        barrier()
+        if launch.local_rank == 0 and launch.node_rank != 0 and not (run_dir / CONFIG_FILE).is_file():
+            prepare_run_dir(config, run_dir, loaded.base_dir, register=False)
         barrier()
     _setup_logging(run_dir, topology.rank, debug=config.debug)
     if topology.is_chief:
@@ -158,8 +166,11 @@ def _serve(run_dir: Path, config: Any, topology: Any, config_dir: Path, spec: St
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    earlier = read_fatal(args.run_dir)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.run_dir is None and (args.config is None or "SLURM_JOB_ID" not in os.environ):
+        parser.error("--run-dir is required (outside a Slurm job, or without CONFIG)")
+    earlier = read_fatal(args.run_dir) if args.run_dir is not None else None
     if earlier is not None:  # a restart after a user error: fail fast, the error will not go away
         return int(earlier.get("exit_code", ExitCode.USER_ERROR))  # type: ignore[call-overload]
     from torch.distributed.elastic.multiprocessing.errors import record
@@ -189,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
             return ExitCode.FAILED
         except DtrainError as exc:
             rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-            logging.getLogger("dtrain").error("%s", exc, extra={"console": False})
-            if args.run_dir.is_dir():
+            if logging.getLogger().handlers:  # not before the log is set up: logging's last resort would print it
+                logging.getLogger("dtrain").error("%s", exc, extra={"console": False})
+            if args.run_dir is not None and args.run_dir.is_dir():
                 write_fatal(args.run_dir, str(exc), rank, exc.exit_code)
             if "DTRAIN_LAUNCHER" not in os.environ:  # `dtrain run` prints it from fatal-error.json itself
                 print(f"dtrain: error: {exc}", file=sys.stderr, flush=True)

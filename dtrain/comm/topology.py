@@ -1,7 +1,8 @@
 """Who this process is (rank, local rank, node) and the process groups; the only place that creates groups.
 
 Rank information comes from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, ...), from Slurm's
-(SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, ...) when a job step starts the workers directly, or defaults
+(SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, ...; the master from MASTER_ADDR or the first host of the node list)
+when a job step starts the workers directly, or defaults
 to a single process.
 """
 
@@ -71,13 +72,15 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         nodes = number("SLURM_NNODES", 1)
         local_world = number("SLURM_NTASKS_PER_NODE", world // max(nodes, 1)) if env.get(
             "SLURM_NTASKS_PER_NODE", "").split("(")[0].isdigit() else world // max(nodes, 1)
-        if addr is None or port is None:
-            raise LaunchError("under Slurm, MASTER_ADDR and MASTER_PORT must be exported before srun, e.g. "
-                              "`export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1) "
-                              "MASTER_PORT=29500` (docs/guide.md, 'Under plain torchrun or Slurm')")
+        if world > 1 or addr is not None:  # the master: exported, or the first host of the node list
+            from dtrain.comm import slurm
+
+            addr = addr or slurm.first_host(env)
+            port = str(slurm.master_port(env))
         return LaunchEnv(rank=number("SLURM_PROCID"), world_size=world, local_rank=number("SLURM_LOCALID", 0),
                          local_world_size=local_world, node_rank=number("SLURM_NODEID", 0), launcher="slurm",
-                         master_addr=addr, master_port=int(port), restart_count=number("SLURM_RESTART_COUNT", 0))
+                         master_addr=addr, master_port=int(port) if port else None,
+                         restart_count=number("SLURM_RESTART_COUNT", 0))
     return LaunchEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, launcher="none",
                      master_addr=None, master_port=None)
 
@@ -170,26 +173,65 @@ def check_interface(name: str, master_addr: str | None, master_port: int | None,
                           "or leave it out to pick it from the route")
     if master_addr is None or master_port is None or master_addr in LOOPBACK_HOSTS:
         return
-    if master_addr in addresses.values():  # this machine is the master: its store may not listen yet
+    try:
+        resolved = socket.gethostbyname(master_addr)  # a host name (Slurm's first host) or an address
+    except OSError as exc:
+        raise LaunchError(f"the master's name {master_addr!r} does not resolve on this machine "
+                          f"({exc.strerror or exc}); give the master as an address, or a name every machine "
+                          "resolves") from None
+    if resolved in addresses.values():  # this machine is the master: its store may not listen yet
         return
-    source, deadline = addresses[name], time.monotonic() + timeout_seconds
-    while True:
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-                probe.settimeout(max(min(5.0, deadline - time.monotonic()), 0.1))
-                probe.bind((source, 0))
-                probe.connect((master_addr, master_port))
-                return
-        except OSError as exc:
-            failure = exc
-            if exc.errno in _NO_ROUTE or time.monotonic() >= deadline:
-                break
-        time.sleep(0.5)
+    source = addresses[name]
+    failure = _probe_master(resolved, master_port, timeout_seconds, source)
+    if failure is None:
+        return
     right = route_interface(master_addr)
     hint = f" (the route to it goes through {right})" if right and right != name else ""
     raise LaunchError(f"network interface {name} ({source}) cannot reach the master {master_addr}:{master_port}"
                       f"{hint}: {failure.strerror or failure}; set --network-interface / distributed.network_interface"
                       " to the interface the machines share")
+
+
+def _probe_master(master_addr: str, master_port: int, timeout_seconds: float,
+                  source: str | None = None) -> OSError | None:
+    """Connect to the master's port (from `source`'s address when given) until it accepts (None) or the timeout
+    passes while refused; at once when there is no route. The last error otherwise."""
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                probe.settimeout(max(min(5.0, deadline - time.monotonic()), 0.1))
+                if source is not None:
+                    probe.bind((source, 0))
+                probe.connect((master_addr, master_port))
+                return None
+        except OSError as exc:
+            if exc.errno in _NO_ROUTE or time.monotonic() >= deadline:
+                return exc
+        time.sleep(0.5)
+
+
+def check_master_reachable(master_addr: str, master_port: int, timeout_seconds: float) -> None:
+    """Before a node other than the chief starts its agent: one line when the master's name does not resolve here,
+    or its rendezvous port cannot be reached (at once without a route; within `timeout_seconds` while refused, as
+    the chief may not listen yet), instead of the agent's rendezvous timing out with a traceback."""
+    if master_addr in LOOPBACK_HOSTS:
+        return
+    here = socket.gethostname()
+    try:
+        address = socket.gethostbyname(master_addr)
+    except OSError as exc:
+        raise LaunchError(f"this node ({here}) cannot resolve the master's name {master_addr!r} ({exc.strerror or exc}"
+                          "); give --master-addr a name or address of node 0 that every node resolves (under Slurm: "
+                          "export MASTER_ADDR before srun)") from None
+    failure = _probe_master(address, master_port, timeout_seconds)
+    if failure is None:
+        return
+    shown = master_addr if address == master_addr else f"{master_addr} ({address})"
+    raise LaunchError(f"this node ({here}) cannot reach the master {shown}:{master_port}: "
+                      f"{failure.strerror or failure}; every node must reach node 0 at --master-addr/--master-port: "
+                      "give an address of node 0 on the network the nodes share (under Slurm the default is the "
+                      "first host of the node list), and check that no firewall blocks the port")
 
 
 def choose_interface(requested: str | None, launch: LaunchEnv, timeout_seconds: float) -> None:
@@ -229,8 +271,7 @@ def init_distributed(*, backend: str = "auto", timeout_seconds: float = 600.0,
             if chosen == "gloo" and launch.master_addr in LOOPBACK_HOSTS:
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
             if launch.launcher == "slurm":
-                os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size),
-                                  LOCAL_RANK=str(launch.local_rank))
+                _export_slurm_ranks(launch)
             store = _loopback_store(launch, timeout, environ) if _owns_loopback_store(launch, environ) else None
             dist.init_process_group(chosen, store=store, rank=launch.rank, world_size=launch.world_size,
                                     timeout=timeout)
@@ -258,7 +299,7 @@ def _init_with_servers(launch: LaunchEnv, backend: str, timeout_seconds: float,
     if launch.master_addr in LOOPBACK_HOSTS:
         os.environ.setdefault("TP_SOCKET_IFNAME", "lo")  # the RPC agent's transport, on loopback as well
     if launch.launcher == "slurm":
-        os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size), LOCAL_RANK=str(launch.local_rank))
+        _export_slurm_ranks(launch)
     if _owns_loopback_store(launch, environ):
         store: dist.Store = _loopback_store(launch, timeout, environ)
     else:
@@ -271,6 +312,13 @@ def _init_with_servers(launch: LaunchEnv, backend: str, timeout_seconds: float,
     return Topology(rank=launch.rank, world_size=workers, local_rank=launch.local_rank,
                     local_world_size=launch.local_world_size, node_rank=launch.node_rank, backend=chosen,
                     device=device, launcher=launch.launcher, restart_count=launch.restart_count, servers=servers)
+
+
+def _export_slurm_ranks(launch: LaunchEnv) -> None:
+    """What torch's env:// rendezvous and the Trial read, from Slurm's variables (the master possibly derived from
+    the node list)."""
+    os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size), LOCAL_RANK=str(launch.local_rank),
+                      MASTER_ADDR=str(launch.master_addr), MASTER_PORT=str(launch.master_port))
 
 
 # The store of a job with parameter servers (all processes), kept for the RPC group.

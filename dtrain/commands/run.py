@@ -31,15 +31,17 @@ def register(subcommands: Any) -> argparse.ArgumentParser:
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key, e.g. --set resources.slots_per_trial=4 (repeatable; the value "
                           "is read as YAML)")
-    run.add_argument("--run-dir", type=Path, help="where the run's files go (default: runs/<name>/<id>/); an "
-                                                 "existing unfinished run there is resumed")
-    run.add_argument("--nnodes", type=int, help="machines in the job (default 1, or PET_NNODES in a PyTorchJob)")
+    run.add_argument("--run-dir", type=Path, help="where the run's files go (default: runs/<name>/<id>/, in a Slurm "
+                     "job step runs/<name>/slurm-<job id>[-node<N>]/); an existing unfinished run there is resumed")
+    run.add_argument("--nnodes", type=int, help="machines in the job (default 1, or PET_NNODES in a PyTorchJob, "
+                                               "SLURM_NNODES in a Slurm job step)")
     run.add_argument("--node-rank", type=int, help="this machine's index, 0 on the chief (default 0, or "
-                                                     "PET_NODE_RANK)")
+                                                     "PET_NODE_RANK, or SLURM_NODEID)")
     run.add_argument("--master-addr",
                      help="the chief's address; the rendezvous listens on loopback unless this is given "
-                          "(default 127.0.0.1, or PET_MASTER_ADDR)")
-    run.add_argument("--master-port", type=int, help="the chief's rendezvous port (default: a free port)")
+                          "(default 127.0.0.1, or PET_MASTER_ADDR, or the first host of a Slurm job step)")
+    run.add_argument("--master-port", type=int, help="the chief's rendezvous port (default: a free port; in a "
+                     "Slurm job step MASTER_PORT, else 20000 + the job id mod 20000)")
     run.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                      help="c10d rendezvous endpoint shared by all nodes, instead of --node-rank/--master-*")
     run.add_argument("--network-interface", metavar="NAME",
@@ -88,11 +90,17 @@ def run_experiment(args: argparse.Namespace) -> int:
     loaded = load_config(args.config, args.overrides)
     config = loaded.config
     check_buildable(config)
+    _node_options_from_slurm(args, os.environ, config.name)
     _node_options_from_environment(args, os.environ)
     node = NodeSpec(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                     master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
                     network_interface=args.network_interface)
     node.validate(config.resources.world_size)
+    if node.nnodes > 1 and node.node_rank != 0 and node.rdzv_endpoint is None and node.network_interface is None:
+        from dtrain.comm.topology import check_master_reachable
+
+        assert node.master_port is not None  # validate() asks for it on several nodes
+        check_master_reachable(node.master_addr, node.master_port, config.distributed.timeout_seconds)
     if config.is_command:  # a command that cannot start fails here, before any worker starts
         check_command(config.entry.argv, loaded.base_dir)
     else:  # so do a wrong Trial class and hyperparameters it cannot use
@@ -123,6 +131,39 @@ def run_experiment(args: argparse.Namespace) -> int:
         summary = _command_summary(info, summary, started, config.resources.world_size)
     _print_summary(info.run_dir, info.experiment_id, summary, time.time() - started)
     return ExitCode.OK if summary.get("status") == "completed" else ExitCode.STOPPED
+
+
+def _node_options_from_slurm(args: argparse.Namespace, environ: Mapping[str, str], name: str) -> None:
+    """In a Slurm job step (`srun dtrain run ...`, one task per node) fill what was not given from the job: --nnodes
+    from SLURM_NNODES, --node-rank from SLURM_NODEID, --master-addr from the first host of the node list,
+    --master-port from MASTER_PORT or the job id, and the run dir from the job id (a requeued job resumes there).
+    A step with several tasks per node, or an --nnodes that disagrees with the job's, is one line naming the fix."""
+    from dtrain.comm import slurm
+    from dtrain.runs.rundir import slurm_run_dir
+
+    if not slurm.in_job_step(environ):
+        return
+    nodes = int(environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_NNODES") or "1")
+    tasks = int(environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS") or str(nodes))
+    if tasks != nodes:
+        raise ConfigError(f"`dtrain run` runs under srun with {tasks} tasks on {nodes} node(s), but it starts its "
+                          "node's workers itself: start one per node (srun --ntasks-per-node=1), or one "
+                          "`python -m dtrain.worker` per slot without `dtrain run` (docs/clusters.md, Slurm)")
+    if args.nnodes is not None and args.nnodes != nodes:
+        raise ConfigError(f"--nnodes {args.nnodes} disagrees with this Slurm job step's SLURM_NNODES={nodes}: drop "
+                          f"--nnodes (dtrain run takes it from Slurm), or submit the job with --nodes={args.nnodes}")
+    if args.rdzv_endpoint is not None:
+        return
+    if args.nnodes is None:
+        args.nnodes = nodes
+    if args.node_rank is None:
+        args.node_rank = int(environ.get("SLURM_NODEID", "0"))
+    if args.master_addr is None and nodes > 1:
+        args.master_addr = slurm.first_host(environ)
+    if args.master_port is None and nodes > 1:
+        args.master_port = slurm.master_port(environ)
+    if args.run_dir is None:
+        args.run_dir = slurm_run_dir(name, environ["SLURM_JOB_ID"], args.node_rank)
 
 
 # Kubeflow's PyTorchJob (training-operator) sets these in every pod for torchrun; `dtrain run` reads them too.

@@ -145,6 +145,13 @@ def load_run_info(run_dir: Path) -> RunInfo:
                    config_dir=Path(ids.get("config_dir") or run_dir))
 
 
+def slurm_run_dir(name: str, job_id: str, node_rank: int = 0) -> Path:
+    """The default run dir of a Slurm job: `<runs root>/<name>/slurm-<job id>`, and `...-node<N>` for node N > 0
+    where each node keeps its own (`dtrain run` per node: two nodes must not prepare one dir at once). A requeued
+    job keeps its id, so it finds this dir and resumes from its checkpoints."""
+    return runs_root() / _safe_name(name) / (f"slurm-{job_id}" + (f"-node{node_rank}" if node_rank else ""))
+
+
 def _safe_name(name: str) -> str:
     cleaned = "".join(c if c.isalnum() or c in "-_." else "_" for c in name).strip("._")
     return cleaned or "experiment"

@@ -1,20 +1,27 @@
 #!/bin/bash
 # A Slurm batch job running a dtrain experiment on 2 nodes x 2 workers: one `dtrain run` per node (srun
 # --ntasks-per-node=1), each starting its node's workers through torchrun's elastic agent, which restarts them
-# after a failure (they resume from the latest checkpoint). Submit with: sbatch examples/clusters/sbatch.sh
-#SBATCH --job-name=dtrain-fashion-mnist
+# after a failure (they resume from the latest checkpoint).
+#
+#   sbatch examples/clusters/sbatch.sh [CONFIG] [dtrain run options...]
+#   sbatch examples/clusters/sbatch.sh examples/fashion_mnist/distributed.yaml --set searcher.max_length.batches=200
+#
+# Inside a job step `dtrain run` takes from Slurm what is not given on its command line: --nnodes (SLURM_NNODES),
+# --node-rank (SLURM_NODEID), --master-addr (the first host of the node list, `scontrol show hostnames`),
+# --master-port (MASTER_PORT if exported, else 20000 + the job id mod 20000), and the run dir:
+# $DTRAIN_RUNS_ROOT (default ./runs, from the submit directory)/<name>/slurm-<job id> on the first node and
+# .../slurm-<job id>-node<N> on node N (logs only; checkpoints are the first node's). Export DTRAIN_RUNS_ROOT to a
+# shared file system before sbatch to keep the runs there. A requeued job keeps its id, so it resumes from the
+# same run dir. Add --network-interface NAME when the nodes share a network other than the route to the master.
+#SBATCH --job-name=dtrain
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
 #SBATCH --cpus-per-task=2
 #SBATCH --time=01:00:00
 
 set -euo pipefail
-MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
-MASTER_PORT=29500
-RUN_DIR="$HOME/runs/fashion-mnist-$SLURM_JOB_ID"   # on a shared file system: the chief's checkpoints
-
-# --node-rank comes from each task's SLURM_NODEID; the interface is picked from the route to MASTER_ADDR
-# (add --network-interface NAME when the machines share a different network).
-srun bash -c "dtrain run examples/fashion_mnist/distributed.yaml --set resources.slots_per_trial=4 \
-  --nnodes $SLURM_NNODES --node-rank \$SLURM_NODEID --master-addr $MASTER_ADDR --master-port $MASTER_PORT \
-  --run-dir $RUN_DIR/node-\$SLURM_NODEID"
+CONFIG=${1:-examples/fashion_mnist/distributed.yaml}
+shift $(( $# > 0 ? 1 : 0 ))
+# --kill-on-bad-exit: a node that fails (e.g. cannot reach the master) ends the step instead of leaving the
+# other node waiting for it
+srun --ntasks-per-node=1 --kill-on-bad-exit=1 dtrain run "$CONFIG" --set resources.slots_per_trial=4 "$@"

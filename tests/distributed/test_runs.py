@@ -194,7 +194,7 @@ def test_slurm_without_master_addr_is_one_clear_error(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "dtrain.worker", str(CONFIG), "--run-dir", str(tmp_path / "s")],
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert "MASTER_ADDR and MASTER_PORT must be exported" in result.stderr
+    assert "SLURM_JOB_NODELIST is not set, so the master is unknown; export MASTER_ADDR" in result.stderr
     assert "Traceback" not in result.stderr
 
 

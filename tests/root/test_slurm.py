@@ -1,0 +1,105 @@
+"""dtrain on a real Slurm cluster (benchmarks/slurm_cluster.py: Debian's Slurm 22.05, munged and slurmctld in the
+root namespace, a slurmd in each of 2 node namespaces; needs root, iproute2 and the Slurm packages, which the
+fixture installs when missing; skipped with the reason otherwise). `sbatch examples/clusters/sbatch.sh` (one
+`dtrain run` per node) and `examples/clusters/srun_per_slot.sh` (one worker per slot, no torchrun) end with the
+same final model, bitwise, as the same experiment started by hand with `dtrain run --nnodes 2` on the namespace
+cluster; bad input under Slurm is one line naming the fix."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from cluster import ClusterUnavailable, emulated_cluster  # noqa: E402
+from slurm_cluster import SlurmCluster, install_packages, slurm_down, slurm_up, unavailable_reason  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the Slurm cluster needs root (namespaces, daemons)")
+
+CONFIG = REPO / "tests" / "fixtures" / "digits.yaml"
+SETTINGS = ["--set", "searcher.max_length.batches=8", "--set", "min_checkpoint_period.batches=3",
+            "--set", "min_validation_period.batches=8", "--set", "distributed.timeout_seconds=120"]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """A 2-node cluster of its own (its own subnet and ports, beside one that `make slurm-up` may have started)."""
+    root = tmp_path_factory.mktemp("slurm")
+    try:
+        install_packages()
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"the Slurm packages could not be installed: {exc}")
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    try:
+        cluster = slurm_up(root, subnet="10.202.0", port=6837)
+    except ClusterUnavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        yield cluster
+    finally:
+        slurm_down(root)
+
+
+def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "step-8" / "model.pt", weights_only=True)  # type: ignore[no-any-return]
+
+
+def test_sbatch_and_srun_per_slot_end_as_dtrain_run_by_hand(slurm: SlurmCluster, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    env = slurm.job_environment(runs)
+    per_node = slurm.submit(["examples/clusters/sbatch.sh", str(CONFIG), *SETTINGS], env, tmp_path / "sbatch.out")
+    per_slot = slurm.submit(["examples/clusters/srun_per_slot.sh", str(CONFIG), *SETTINGS], env,
+                            tmp_path / "per-slot.out")
+    with emulated_cluster(nodes=2, rate="200mbit") as cluster:  # the same experiment by hand, meanwhile
+        logs = [(tmp_path / f"hand{i}.out").open("w") for i in range(2)]
+        hand = [cluster.start(i, cluster.dtrain_run(i, CONFIG, tmp_path / f"hand{i}", 29421,
+                                                    ["--set", "resources.slots_per_trial=4", *SETTINGS]),
+                              stdout=logs[i], stderr=subprocess.STDOUT) for i in range(2)]
+        codes = [process.wait(timeout=600) for process in hand]
+    assert codes == [0, 0], [(tmp_path / f"hand{i}.out").read_text() for i in range(2)]
+    states = [slurm.wait(per_node), slurm.wait(per_slot)]
+    assert states == ["COMPLETED", "COMPLETED"], [(tmp_path / n).read_text() for n in ("sbatch.out", "per-slot.out")]
+    reference = final_model(tmp_path / "hand0")
+    # the run dirs are keyed by the job id: runs/<name>/slurm-<job id>, node 1's beside it for `dtrain run`
+    assert (runs / "digits_test" / f"slurm-{per_node}-node1" / "logs").is_dir()
+    for job in (per_node, per_slot):
+        model = final_model(runs / "digits_test" / f"slurm-{job}")
+        assert model.keys() == reference.keys()
+        for key in reference:
+            assert torch.equal(model[key], reference[key]), (job, key)
+
+
+def test_nnodes_that_disagree_with_slurm_and_tasks_per_node_are_one_line(slurm: SlurmCluster, tmp_path: Path) -> None:
+    env = slurm.job_environment(tmp_path / "runs")
+    dtrain_run = ["dtrain", "run", str(CONFIG), "--set", "resources.slots_per_trial=4"]
+    wrong = subprocess.run(["srun", "-N2", "--ntasks-per-node=1", *dtrain_run, "--nnodes", "3"], env=env,
+                           capture_output=True, text=True, timeout=300)
+    errors = [line for line in wrong.stderr.splitlines() if line.startswith("dtrain: error:")]
+    assert wrong.returncode != 0 and len(errors) == 2, wrong.stderr  # one line from each node's task
+    assert "--nnodes 3 disagrees with this Slurm job step's SLURM_NNODES=2: drop --nnodes" in errors[0]
+    many = subprocess.run(["srun", "-N1", "--ntasks-per-node=2", *dtrain_run], env=env, capture_output=True,
+                          text=True, timeout=300)
+    errors = [line for line in many.stderr.splitlines() if line.startswith("dtrain: error:")]
+    assert many.returncode != 0 and len(errors) == 2, many.stderr
+    assert "start one per node (srun --ntasks-per-node=1)" in errors[0]
+
+
+def test_a_node_that_cannot_reach_the_master_is_one_line(slurm: SlurmCluster, tmp_path: Path) -> None:
+    env = slurm.job_environment(tmp_path / "runs")
+    job = slurm.submit(["examples/clusters/sbatch.sh", str(CONFIG), *SETTINGS, "--master-addr", "10.202.0.99"], env,
+                       tmp_path / "job.out")
+    assert slurm.wait(job, timeout=300) == "FAILED"
+    output = (tmp_path / "job.out").read_text()
+    errors = [line for line in output.splitlines() if "cannot reach the master" in line]
+    assert len(errors) == 1, output
+    assert errors[0].startswith("dtrain: error: this node (n2) cannot reach the master 10.202.0.99:"), output
+    assert "Traceback" not in output
