@@ -66,14 +66,18 @@ class Node:
         """The command line that runs `argv` on this node."""
         return ["ip", "netns", "exec", self.namespace, *argv]
 
-    def wrap_host(self, argv: Sequence[str], hostname: str, hosts_file: str | Path) -> list[str]:
+    def wrap_host(self, argv: Sequence[str], hostname: str, hosts_file: str | Path,
+                  binds: Sequence[tuple[str | Path, str | Path]] = ()) -> list[str]:
         """The command line that runs `argv` on this node as a machine named `hostname` that resolves names
         through `hosts_file`: in the node's network namespace (entered with nsenter, which leaves /sys alone,
         unlike `ip netns exec`) and a mount and UTS namespace of its own, where the hosts file is bind-mounted
-        over /etc/hosts and the hostname set. Everything the command starts inherits both."""
-        script = 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"'
+        over /etc/hosts, each (source, target) of `binds` over its existing target, and the hostname set.
+        Everything the command starts inherits them."""
+        script = ('mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 || exit 1\n'
+                  'while [ "$1" != -- ]; do mount --bind "$1" "$2" || exit 1; shift 2; done\nshift\nexec "$@"')
+        pairs = [str(path) for pair in binds for path in pair]
         return ["nsenter", f"--net=/run/netns/{self.namespace}", "unshare", "--mount", "--uts", "sh", "-c", script,
-                "sh", str(hosts_file), hostname, *argv]
+                "sh", str(hosts_file), hostname, *pairs, "--", *argv]
 
 
 @dataclass

@@ -61,10 +61,11 @@ def _setup_logging(run_dir: Path, rank: int, name: str | None = None, debug: boo
 def _threads_per_worker(local_world_size: int) -> int:
     """OMP_NUM_THREADS, else this machine's cores shared by its workers (as `dtrain run` sets it: the same thread
     count, and so the same sums, however the workers were started)."""
+    from dtrain.runs.processes import threads_per_process
+
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         return int(os.environ["OMP_NUM_THREADS"])
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(cores // max(local_world_size, 1), 1)
+    return threads_per_process(local_world_size, os.environ)
 
 
 def run_worker(args: argparse.Namespace) -> int:

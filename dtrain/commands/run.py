@@ -135,9 +135,10 @@ def run_experiment(args: argparse.Namespace) -> int:
 
 def _node_options_from_slurm(args: argparse.Namespace, environ: Mapping[str, str], name: str) -> None:
     """In a Slurm job step (`srun dtrain run ...`, one task per node) fill what was not given from the job: --nnodes
-    from SLURM_NNODES, --node-rank from SLURM_NODEID, --master-addr from the first host of the node list,
-    --master-port from MASTER_PORT or the job id, and the run dir from the job id (a requeued job resumes there).
-    A step with several tasks per node, or an --nnodes that disagrees with the job's, is one line naming the fix."""
+    from SLURM_NNODES, --node-rank from SLURM_NODEID, --master-addr from an exported MASTER_ADDR or the first host of
+    the node list, --master-port from MASTER_PORT or the job id, and the run dir from the job id (a requeued job
+    resumes there). A step with several tasks per node, or an --nnodes that disagrees with the job's, is one line
+    naming the fix."""
     from dtrain.comm import slurm
     from dtrain.runs.rundir import slurm_run_dir
 
@@ -159,30 +160,50 @@ def _node_options_from_slurm(args: argparse.Namespace, environ: Mapping[str, str
     if args.node_rank is None:
         args.node_rank = int(environ.get("SLURM_NODEID", "0"))
     if args.master_addr is None and nodes > 1:
-        args.master_addr = slurm.first_host(environ)
+        args.master_addr = environ.get("MASTER_ADDR") or slurm.first_host(environ)
     if args.master_port is None and nodes > 1:
         args.master_port = slurm.master_port(environ)
     if args.run_dir is None:
         args.run_dir = slurm_run_dir(name, environ["SLURM_JOB_ID"], args.node_rank)
 
 
-# Kubeflow's PyTorchJob (training-operator) sets these in every pod for torchrun; `dtrain run` reads them too.
+# Kubeflow sets these in every pod for torchrun; `dtrain run` reads them too. A v1 PyTorchJob (training-operator)
+# sets PET_NNODES, PET_NODE_RANK, PET_NPROC_PER_NODE and, with a Master replica, MASTER_ADDR and MASTER_PORT (with an
+# elasticPolicy PET_RDZV_ENDPOINT, PET_RDZV_BACKEND and PET_NNODES as MIN:MAX); a v2 TrainJob PET_MASTER_ADDR and
+# PET_MASTER_PORT.
 PET_VARIABLES = {"PET_NNODES": ("nnodes", 1, int), "PET_NODE_RANK": ("node_rank", 0, int),
                  "PET_MASTER_ADDR": ("master_addr", "127.0.0.1", str), "PET_MASTER_PORT": ("master_port", None, int),
                  "PET_RDZV_ENDPOINT": ("rdzv_endpoint", None, str)}
+V1_MASTER_VARIABLES = {"PET_MASTER_ADDR": "MASTER_ADDR", "PET_MASTER_PORT": "MASTER_PORT"}
+
+
+def _pet_nnodes(raw: str) -> str:
+    """PET_NNODES as one number: an elastic PyTorchJob's MIN:MAX when MIN equals MAX (dtrain runs a fixed number of
+    nodes), else one line naming the fix."""
+    low, _, high = raw.partition(":")
+    if high and low != high:
+        raise ConfigError(f"environment variable PET_NNODES={raw!r} (an elastic PyTorchJob's minReplicas:maxReplicas): "
+                          "dtrain runs a fixed number of nodes; set elasticPolicy.minReplicas and maxReplicas equal")
+    return low
 
 
 def _node_options_from_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
-    """Fill --nnodes, --node-rank, --master-addr, --master-port and --rdzv-endpoint from the PET_* variables of a
-    Kubeflow PyTorchJob where the option was not given (an option on the command line wins), then the defaults."""
+    """Fill --nnodes, --node-rank, --master-addr, --master-port and --rdzv-endpoint from the variables of a Kubeflow
+    PyTorchJob or TrainJob where the option was not given (an option on the command line wins), then the defaults."""
+    env = dict(environ)
+    if "PET_NNODES" in env:  # in a PyTorchJob's pod: v1 names the master without PET_
+        for pet, plain in V1_MASTER_VARIABLES.items():
+            if pet not in env and plain in env:
+                env[pet] = env[plain]
+        env["PET_NNODES"] = _pet_nnodes(env["PET_NNODES"])
     for variable, (dest, default, kind) in PET_VARIABLES.items():
-        raw = environ.get(variable)
+        raw = env.get(variable)
         if getattr(args, dest) is not None:
             continue
         setattr(args, dest, default)
         if raw is None:
             continue
-        if variable == "PET_RDZV_ENDPOINT" and environ.get("PET_RDZV_BACKEND", "c10d") == "static":
+        if variable == "PET_RDZV_ENDPOINT" and env.get("PET_RDZV_BACKEND", "c10d") == "static":
             continue  # the static backend is the master address and port, read above
         try:
             setattr(args, dest, kind(raw))

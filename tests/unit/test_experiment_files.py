@@ -25,7 +25,8 @@ def experiment_files() -> list[str]:
     found = []
     for place in PLACES:
         for path in sorted((ROOT / place).rglob("*.y*ml")):
-            raw = yaml.safe_load(path.read_text())
+            documents = list(yaml.safe_load_all(path.read_text()))  # a Kubernetes manifest may hold several
+            raw = documents[0] if len(documents) == 1 else None
             if isinstance(raw, dict) and "entrypoint" in raw:
                 found.append(str(path.relative_to(ROOT)))
     return found
