@@ -7,6 +7,7 @@ operator gives each pod (tests/root/test_kubeflow.py runs the pods with it) is t
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -25,8 +26,21 @@ REPO = Path(__file__).resolve().parents[2]
 SCHEMAS = REPO / "tests" / "fixtures" / "kubeflow"
 MANIFEST = REPO / "examples" / "clusters" / "pytorchjob.yaml"
 CORE = "https://kubernetes.io/api/_definitions.json"
-sys.path.insert(0, str(REPO / "benchmarks"))
-from kubeflow_pods import operator_environment, pod_names  # noqa: E402
+
+
+def _benchmarks_module(name: str) -> Any:
+    """Import benchmarks/<name>.py without leaving benchmarks/ on sys.path (its `determined` folder would shadow
+    the shim for the tests after this one)."""
+    saved = list(sys.path)
+    try:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        return importlib.import_module(name)
+    finally:
+        sys.path[:] = saved
+
+
+PODS = _benchmarks_module("kubeflow_pods")
+operator_environment, pod_names = PODS.operator_environment, PODS.pod_names
 
 
 def _strict(node: Any) -> Any:
