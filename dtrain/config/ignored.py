@@ -26,8 +26,6 @@ IGNORED_KEYS: dict[str, str] = {
     "resources.native_parallel": "a legacy Determined flag",
     "optimizations.tensor_fusion_cycle_time": "fusion follows DDP's buckets, not Horovod's cycle",
     "optimizations.grad_updates_size_file": "it had no effect in Determined either",
-    "searcher.max_trials": "searcher `single` trains one trial",
-    "searcher.max_concurrent_trials": "searcher `single` trains one trial",
 }
 
 

@@ -27,12 +27,22 @@ class Resources(Section):
         return max(self.slots_per_trial, 1)
 
 
-class Searcher(Section):
-    """How long to train and which metric picks the best checkpoint. Searcher `single` trains one trial."""
+SearcherName = Literal["single", "random", "grid", "adaptive_asha", "optuna", "async_halving"]
+SearchUnit = Literal["batches", "records", "epochs"]
+SearchMode = Literal["aggressive", "standard", "conservative"]
+SearchSampler = Literal["tpe", "random", "cmaes", "grid"]
+SearchPruner = Literal["hyperband", "successive_halving", "median", "none"]
+SEARCH_ONLY = "search only (docs/search.md): "
 
-    name: Literal["single", "random", "grid", "adaptive_asha", "async_halving"] = Field(
-        default="single", description="how trials are chosen (Determined's searcher names); `single` trains one "
-        "trial")
+
+class Searcher(Section):
+    """How long to train and which metric picks the best checkpoint. Searcher `single` trains one trial; `random`,
+    `grid`, `adaptive_asha` and `optuna` run a search, each trial an ordinary run (`dtrain run`, docs/search.md),
+    and read the search keys below (dtrain.search.spec checks them)."""
+
+    name: SearcherName = Field(
+        default="single", description="how trials are chosen (Determined's searcher names, plus `optuna`); "
+        "`single` trains one trial")
     metric: str = Field(default="validation_loss", description="the validation metric that picks the best "
                         "checkpoint (`validation_` prefix optional)")
     smaller_is_better: bool = Field(default=True, description="whether a smaller `metric` is better")
@@ -40,6 +50,23 @@ class Searcher(Section):
         default=None, description="training length: `{batches: N}`, `{records: N}`, `{epochs: N}` or a bare number "
         "(batches; Determined's Core API lengths have no unit); required for a Trial class, optional for a command, "
         "which sets its own length")
+    max_trials: int | None = Field(default=None, ge=0, description=SEARCH_ONLY + "trials to run in all (required "
+                                   "except for a grid, whose points are the trials)")
+    max_concurrent_trials: int = Field(default=16, ge=0, description=SEARCH_ONLY + "trials at once, also bounded by "
+                                       "`--slots` / `resources.slots_per_trial`; 0: as many as the slots allow")
+    max_time: int | None = Field(default=None, ge=1, description=SEARCH_ONLY + "`adaptive_asha`, `optuna`: a trial's "
+                                 "longest training in `time_metric` units (instead of `max_length`)")
+    time_metric: SearchUnit = Field(default="batches", description=SEARCH_ONLY + "the unit of `max_time`")
+    divisor: float = Field(default=4, gt=1, description=SEARCH_ONLY + "`adaptive_asha`, `optuna`'s pruners: the "
+                           "fraction 1/divisor of trials promoted at each rung")
+    max_rungs: int = Field(default=5, ge=1, description=SEARCH_ONLY + "`adaptive_asha`: the most rungs a bracket has")
+    mode: SearchMode = Field(default="standard", description=SEARCH_ONLY + "`adaptive_asha`: how many brackets, "
+                             "from `aggressive` (one, the most early stopping) to `conservative`")
+    bracket_rungs: list[int] = Field(default_factory=list, description=SEARCH_ONLY + "`adaptive_asha`: the rungs "
+                                     "of each bracket, instead of those `mode` gives")
+    sampler: SearchSampler = Field(default="tpe", description=SEARCH_ONLY + "`optuna`: Optuna's sampler")
+    pruner: SearchPruner = Field(default="none", description=SEARCH_ONLY + "`optuna`: Optuna's pruner, stopping "
+                                 "trials at rungs as `divisor` sets them")
     source_trial_id: int | None = Field(default=None, description=DETERMINED_ONLY)
     source_checkpoint_uuid: str | None = Field(default=None, description=DETERMINED_ONLY)
 

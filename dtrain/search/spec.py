@@ -5,15 +5,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
+from dtrain.config.gate import NOT_BUILT_SEARCHERS
+from dtrain.config.training import Searcher, SearcherName, SearchMode, SearchPruner, SearchSampler, SearchUnit
 from dtrain.errors import ConfigError
 
-SEARCHERS = ("random", "grid", "adaptive_asha", "optuna")
-SAMPLERS = ("tpe", "random", "cmaes", "grid")
-PRUNERS = ("hyperband", "successive_halving", "median", "none")
-UNITS = ("batches", "records", "epochs")
-MODES = ("aggressive", "standard", "conservative")
+# the choices are the config schema's (dtrain.config.training.Searcher), so that the reference lists what runs
+SEARCHERS = tuple(name for name in get_args(SearcherName) if name not in ("single", *NOT_BUILT_SEARCHERS))
+SAMPLERS: tuple[str, ...] = get_args(SearchSampler)
+PRUNERS: tuple[str, ...] = get_args(SearchPruner)
+UNITS: tuple[str, ...] = get_args(SearchUnit)
+MODES: tuple[str, ...] = get_args(SearchMode)
 
 
 @dataclass(frozen=True)
@@ -55,11 +58,12 @@ def _whole(raw: Mapping[str, Any], key: str, default: int | None, minimum: int =
 
 def parse_searcher(raw: Mapping[str, Any]) -> SearchSpec:
     """`searcher:` of a search experiment -> SearchSpec, or one ConfigError."""
-    name = raw.get("name", "single")
+    defaults = Searcher()  # the schema's defaults, which the config reference shows
+    name = raw.get("name", defaults.name)
     if name not in SEARCHERS:
         raise ConfigError(f"searcher.name {name!r} is not a search; the searches are {', '.join(SEARCHERS)}")
     if "max_time" in raw:
-        metric_unit = raw.get("time_metric", "batches")
+        metric_unit = raw.get("time_metric", defaults.time_metric)
         if metric_unit not in UNITS:
             raise ConfigError(f"searcher.time_metric {metric_unit!r}: use batches, records or epochs")
         units, unit = _length({metric_unit: raw["max_time"]}, "max_time")
@@ -70,13 +74,13 @@ def parse_searcher(raw: Mapping[str, Any]) -> SearchSpec:
         wanted = "max_time (with time_metric) or max_length" if timed else "max_length"
         raise ConfigError(f"searcher `{name}` needs {wanted}: how long a trial trains at most, e.g. "
                           + ("`max_time: 4` and `time_metric: epochs`" if timed else "`max_length: {epochs: 4}`"))
-    mode = raw.get("mode", "standard")
+    mode = raw.get("mode", defaults.mode)
     if mode not in MODES:
         raise ConfigError(f"searcher.mode {mode!r}: use {', '.join(MODES)}")
-    divisor = raw.get("divisor", 4)
+    divisor = raw.get("divisor", defaults.divisor)
     if isinstance(divisor, bool) or not isinstance(divisor, int | float) or divisor <= 1:
         raise ConfigError(f"searcher.divisor {divisor!r} must be a number > 1 (Determined's default is 4)")
-    sampler, pruner = raw.get("sampler", "tpe"), raw.get("pruner", "none")
+    sampler, pruner = raw.get("sampler", defaults.sampler), raw.get("pruner", defaults.pruner)
     if sampler not in SAMPLERS:
         raise ConfigError(f"searcher.sampler {sampler!r}: use {', '.join(SAMPLERS)} (Optuna's samplers)")
     if pruner not in PRUNERS:
@@ -87,9 +91,9 @@ def parse_searcher(raw: Mapping[str, Any]) -> SearchSpec:
     gridded = name == "grid" or (name == "optuna" and sampler == "grid")
     max_trials = _whole(raw, "max_trials", 0 if gridded else None, 0 if gridded else 1)
     rungs = raw.get("bracket_rungs") or []
-    return SearchSpec(name=name, metric=str(raw.get("metric", "validation_loss")),
-                      smaller_is_better=bool(raw.get("smaller_is_better", True)), max_length=units, unit=unit,
-                      max_trials=max_trials,
-                      max_concurrent_trials=_whole(raw, "max_concurrent_trials", 16, 0),
-                      divisor=float(divisor), max_rungs=_whole(raw, "max_rungs", 5), mode=mode,
+    return SearchSpec(name=name, metric=str(raw.get("metric", defaults.metric)),
+                      smaller_is_better=bool(raw.get("smaller_is_better", defaults.smaller_is_better)),
+                      max_length=units, unit=unit, max_trials=max_trials,
+                      max_concurrent_trials=_whole(raw, "max_concurrent_trials", defaults.max_concurrent_trials, 0),
+                      divisor=float(divisor), max_rungs=_whole(raw, "max_rungs", defaults.max_rungs), mode=mode,
                       bracket_rungs=tuple(int(r) for r in rungs), sampler=str(sampler), pruner=str(pruner))
