@@ -72,3 +72,35 @@ def test_a_wrong_interface_is_one_line_naming_it_and_the_master(tmp_path: Path) 
     assert code == 2 and len(errors) == 1, log.read_text()
     assert "network interface lo (127.0.0.1) cannot reach the master 10.77.0.1:" in errors[0]
     assert "the route to it goes through dtv" in errors[0]
+
+
+def test_hsdp_across_two_nodes_equals_one_process(tmp_path: Path) -> None:
+    """Strategy hsdp on 2 nodes x 2 workers (each node's pair shards one replica, the nodes are replicas) trains,
+    in float64, the weights one process trains on the whole batch, within 1e-9. The nodes share no disk, so each
+    holds its own ranks' shards: they are put together, as a copy to one machine would, and `dtrain export` joins
+    them."""
+    import shutil
+
+    from dtrain.commands.export import export_model
+
+    hsdp = ["--set", "distributed.strategy=hsdp", "--set", "hyperparameters.float64=true"]
+    try:
+        with emulated_cluster(nodes=2, rate="200mbit") as cluster:
+            outputs = run_job(cluster, tmp_path / "hsdp", 29414, *hsdp)
+    except ClusterUnavailable as exc:
+        pytest.skip(str(exc))
+    assert "hsdp, 2 shards x 2 replica(s)" in outputs[0]
+    shards = [tmp_path / "hsdp" / f"node{i}" / "checkpoints" / "sharded" / "step-8" for i in range(2)]
+    for shard in shards[1].glob("*.distcp"):  # ranks 2 and 3 wrote theirs on node 1
+        shutil.copy(shard, shards[0] / shard.name)
+    export_model(tmp_path / "hsdp" / "node0", tmp_path / "hsdp.pt")
+    trained = torch.load(tmp_path / "hsdp.pt", weights_only=True)
+    one = tmp_path / "one"
+    single = [arg.replace("slots_per_trial=4", "slots_per_trial=1") for arg in SETTINGS]
+    subprocess.run([sys.executable, "-m", "dtrain.cli", "run", str(CONFIG), "--run-dir", str(one), *single,
+                    "--set", "hyperparameters.float64=true"], check=True, capture_output=True, timeout=600)
+    reference = torch.load(one / "checkpoints" / "step-8" / "model.pt", weights_only=True)
+    assert trained.keys() == reference.keys()
+    for key in reference:
+        scale = float(reference[key].abs().max())
+        assert float((trained[key] - reference[key]).abs().max()) <= 1e-9 * scale, key
