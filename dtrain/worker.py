@@ -102,7 +102,7 @@ def run_worker(args: argparse.Namespace) -> int:
     servers = spec.servers(config)
     interface = os.environ.get("DTRAIN_NETWORK_INTERFACE") or config.distributed.network_interface
     topology = init_distributed(backend=config.distributed.backend, timeout_seconds=config.distributed.timeout_seconds,
-                                servers=servers, network_interface=interface)
+                                servers=servers, network_interface=interface, device=config.distributed.device)
     if topology.is_server:
         config_dir = loaded.base_dir if args.config is not None else load_run_info(run_dir).config_dir
         return _serve(run_dir, config, topology, config_dir, spec)

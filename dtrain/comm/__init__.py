@@ -4,6 +4,7 @@ from dtrain.comm.collectives import all_gather_object, all_reduce_sums, any_rank
 from dtrain.comm.topology import (
     LaunchEnv,
     Topology,
+    check_devices,
     device_mesh,
     init_distributed,
     read_launch_env,
@@ -11,5 +12,5 @@ from dtrain.comm.topology import (
 )
 
 __all__ = ["LaunchEnv", "Topology", "all_gather_object", "all_reduce_sums", "any_rank", "barrier",
-           "broadcast_object", "device_mesh", "init_distributed", "rank_flags", "read_launch_env",
+           "broadcast_object", "check_devices", "device_mesh", "init_distributed", "rank_flags", "read_launch_env",
            "shutdown_distributed"]

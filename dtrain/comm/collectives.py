@@ -9,12 +9,20 @@ import torch
 import torch.distributed as dist
 
 
+def collective_device() -> torch.device:
+    """Where a small tensor for a collective of the default group must live: the current GPU under NCCL (which
+    carries CUDA tensors only), the CPU otherwise (gloo; a CPU tensor's read then waits for no device)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce_sums(values: Mapping[str, float]) -> dict[str, float]:
     """Sum named scalars over all ranks in one float64 all-reduce; every rank must pass the same names."""
     names = sorted(values)
     if not names:
         return {}
-    packed = torch.tensor([float(values[name]) for name in names], dtype=torch.float64)
+    packed = torch.tensor([float(values[name]) for name in names], dtype=torch.float64, device=collective_device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(packed)
     return dict(zip(names, packed.tolist(), strict=True))
@@ -54,7 +62,7 @@ def any_rank(flag: bool) -> bool:
     """True on every rank when `flag` is true on at least one rank."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return flag
-    packed = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    packed = torch.tensor([1 if flag else 0], dtype=torch.int32, device=collective_device())
     dist.all_reduce(packed, op=dist.ReduceOp.MAX)
     return bool(packed.item())
 
@@ -63,7 +71,7 @@ def rank_flags(flags: Sequence[bool]) -> list[tuple[bool, ...]]:
     """Every rank's `flags`, in rank order, from one small all-reduce (all ranks pass the same number)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [tuple(flags)]
-    table = torch.zeros(dist.get_world_size(), len(flags), dtype=torch.int32)
+    table = torch.zeros(dist.get_world_size(), len(flags), dtype=torch.int32, device=collective_device())
     table[dist.get_rank()] = torch.tensor([1 if flag else 0 for flag in flags], dtype=torch.int32)
     dist.all_reduce(table)
     return [tuple(bool(v) for v in row) for row in table.tolist()]

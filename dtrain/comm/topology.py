@@ -118,13 +118,36 @@ class Topology:
         return self.world_size > 1
 
 
-def choose_backend(requested: str) -> str:
-    """nccl where CUDA is present, gloo otherwise; an explicit request wins if it can work."""
+def choose_backend(requested: str, device: str = "auto") -> str:
+    """nccl where CUDA is present (and the device is not the CPU), gloo otherwise; an explicit request wins if it
+    can work."""
+    check_devices(requested, device)
     if requested == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if requested == "nccl" and not torch.cuda.is_available():
-        raise LaunchError("distributed.backend = 'nccl' needs CUDA GPUs and none are visible; use 'gloo' or 'auto'")
+        return "nccl" if device != "cpu" and torch.cuda.is_available() else "gloo"
     return requested
+
+
+def check_devices(backend: str, device: str) -> None:
+    """LaunchError in one line where the run asks for CUDA (backend nccl, device cuda) on a machine without a GPU
+    that torch can see: before any worker starts (`dtrain run`), and again in each worker."""
+    if torch.cuda.is_available():
+        return
+    why = "torch.cuda.is_available() is False here: no GPU, no driver, or a CPU build of torch " \
+          f"({torch.__version__})"
+    if backend == "nccl":
+        raise LaunchError(f"distributed.backend 'nccl' needs a CUDA GPU and {why}; set distributed.backend to gloo "
+                          "or auto")
+    if device == "cuda":
+        raise LaunchError(f"distributed.device 'cuda' needs a CUDA GPU and {why}; set distributed.device to cpu or "
+                          "auto")
+
+
+def choose_device(backend: str, device: str, local_rank: int) -> torch.device:
+    """The device a worker trains on (distributed.device): `auto` follows the backend (nccl: a GPU); a GPU is
+    number local rank mod the GPUs visible, so that workers over gloo may share one."""
+    if device == "cpu" or (device == "auto" and backend != "nccl"):
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
 
 
 def interface_addresses() -> dict[str, str]:
@@ -248,21 +271,22 @@ def choose_interface(requested: str | None, launch: LaunchEnv, timeout_seconds: 
 
 def init_distributed(*, backend: str = "auto", timeout_seconds: float = 600.0,
                      environ: Mapping[str, str] | None = None, servers: int = 0,
-                     network_interface: str | None = None) -> Topology:
+                     network_interface: str | None = None, device: str = "auto") -> Topology:
     """Create the default process group from the launcher's environment and describe this process.
 
     With `servers` > 0 the launcher started that many parameter-server processes beside the workers: the
     last `servers` ranks. The default group then holds the workers only, and every process keeps the
-    job's store for the RPC group that joins workers and servers (`dtrain.comm.rpc`)."""
+    job's store for the RPC group that joins workers and servers (`dtrain.comm.rpc`). `device`: as
+    distributed.device says (`choose_device`)."""
     launch = read_launch_env(environ)
-    if choose_backend(backend) == "gloo" and (launch.world_size > 1 or launch.master_addr is not None):
+    if choose_backend(backend, device) == "gloo" and (launch.world_size > 1 or launch.master_addr is not None):
         choose_interface(network_interface, launch, timeout_seconds)
     if servers:
-        return _init_with_servers(launch, backend, timeout_seconds, environ, servers)
-    chosen = choose_backend(backend)
-    device = torch.device("cuda", launch.local_rank) if chosen == "nccl" else torch.device("cpu")
-    if chosen == "nccl":
-        torch.cuda.set_device(device)
+        return _init_with_servers(launch, backend, timeout_seconds, environ, servers, device)
+    chosen = choose_backend(backend, device)
+    where = choose_device(chosen, device, launch.local_rank)
+    if where.type == "cuda":
+        torch.cuda.set_device(where)
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_seconds)
         if launch.world_size == 1 and launch.master_addr is None:
@@ -277,20 +301,20 @@ def init_distributed(*, backend: str = "auto", timeout_seconds: float = 600.0,
                                     timeout=timeout)
     return Topology(rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank,
                     local_world_size=launch.local_world_size, node_rank=launch.node_rank, backend=chosen,
-                    device=device, launcher=launch.launcher, restart_count=launch.restart_count)
+                    device=where, launcher=launch.launcher, restart_count=launch.restart_count)
 
 
 def _init_with_servers(launch: LaunchEnv, backend: str, timeout_seconds: float,
-                       environ: Mapping[str, str] | None, servers: int) -> Topology:
+                       environ: Mapping[str, str] | None, servers: int, device_setting: str = "auto") -> Topology:
     workers = launch.world_size - servers
     if workers < 1:
         raise LaunchError(f"the parameter-server strategy needs {servers} server process(es) besides at least one "
                           f"worker, but the launcher started {launch.world_size} process(es) in all; start "
                           f"slots_per_trial + {servers} processes (dtrain run does; with torchrun or srun raise "
                           "--nproc-per-node / --ntasks)")
-    chosen = choose_backend(backend)
-    on_gpu = chosen == "nccl" and launch.rank < workers
-    device = torch.device("cuda", launch.local_rank) if on_gpu else torch.device("cpu")
+    chosen = choose_backend(backend, device_setting)
+    device = (choose_device(chosen, device_setting, launch.local_rank) if launch.rank < workers
+              else torch.device("cpu"))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_seconds)

@@ -67,6 +67,7 @@ def register(subcommands: Any) -> argparse.ArgumentParser:
 def run_experiment(args: argparse.Namespace) -> int:
     """Check everything that can be checked before a worker starts, launch the workers, record how they ended."""
     # imported here, not above: `dtrain --help` stays quick, and tests can replace `launch_workers`
+    from dtrain.comm import check_devices
     from dtrain.config import check_buildable, load_config
     from dtrain.determined.command import check_command
     from dtrain.determined.entrypoint import load_trial
@@ -91,6 +92,7 @@ def run_experiment(args: argparse.Namespace) -> int:
     config = loaded.config
     check_buildable(config)
     _node_options_from_slurm(args, os.environ, config.name)
+    check_devices(config.distributed.backend, config.distributed.device)  # a GPU asked for where none is
     _node_options_from_environment(args, os.environ)
     node = NodeSpec(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                     master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,

@@ -92,6 +92,10 @@ class Distributed(StrategySections):
         "`compression: fp16`, is short for `{name: fp16}`)")
     backend: Literal["auto", "gloo", "nccl"] = Field(default="auto", description="`auto`: gloo on CPU, nccl when "
                                                                                  "CUDA is present")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="where each worker trains: `auto`: a GPU with backend nccl, the CPU with gloo; "
+        "`cuda`: GPU number local rank mod the GPUs visible, with nccl or gloo (gloo carries CUDA tensors too, and "
+        "lets several workers share one GPU, which NCCL refuses); `cpu`. Checked before any worker starts")
     timeout_seconds: float = Field(
         default=600.0, gt=0, description="collective timeout: a collective that waits longer fails with one error "
         "naming the ranks that did not arrive, the step and what each was doing")
@@ -111,3 +115,10 @@ class Distributed(StrategySections):
     @classmethod
     def _compressor_by_name(cls, value: Any) -> Any:
         return picked_by(value, "name", "none")
+
+    @model_validator(mode="after")
+    def _device_fits_backend(self) -> Distributed:
+        if self.device == "cpu" and self.backend == "nccl":
+            raise ValueError("distributed.device 'cpu' with distributed.backend 'nccl': NCCL carries CUDA tensors "
+                             "only; set backend gloo (or auto), or device cuda")
+        return self

@@ -18,8 +18,10 @@ class Profiling(Section):
     begin_on_batch: int = Field(default=0, ge=0, description="the first batch the timeline covers")
     end_after_batch: int | None = Field(default=None, ge=0, description="the last batch the timeline covers; unset: "
                                                                         "the end")
-    sync_timings: bool = Field(default=True, description="on GPUs, synchronize the device at the end of each phase "
-                                                         "so that its time is the phase's own")
+    sync_timings: bool = Field(
+        default=False, description="on GPUs, wait for the device at the end of each phase (the CPU can then no "
+        "longer queue work ahead of the GPU: slower steps); off: each phase is timed by CUDA events on the device, "
+        "read a step or more later, and nothing in the step waits for the GPU")
     phase_timers: bool = Field(
         default=True, description="time every step's phases on every rank (data wait, forward, backward, exposed "
         "communication wait, optimizer, report, validation, checkpoint): TensorBoard `profile/*` and "

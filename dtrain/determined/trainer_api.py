@@ -65,7 +65,7 @@ def init(*, hparams: Mapping[str, Any] | None = None, exp_conf: Mapping[str, Any
         run_info = prepare_run_dir(loaded.config, None, Path.cwd())
         os.environ["DTRAIN_RUN_DIR"] = str(run_info.run_dir.resolve())
     config = loaded.config
-    topology = init_distributed(backend=config.distributed.backend,
+    topology = init_distributed(backend=config.distributed.backend, device=config.distributed.device,
                                 timeout_seconds=config.distributed.timeout_seconds)
     # without hyperparameters.global_batch_size (Determined 0.38 files), the trial's data loader says it: fit()
     # reads its batch size; until then the context has one record per slot and get_*_batch_size() refuse

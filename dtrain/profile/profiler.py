@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
 from dtrain.config import Profiling
+from dtrain.profile.device_clock import DeviceClock
 from dtrain.profile.timeline import TIMELINE_TEMPLATE, Timeline
 from dtrain.profile.timers import COMPUTE_PHASES, PHASES, StepRecord, StepTimer, phase_means
 
@@ -27,11 +28,15 @@ class Profiler:
     """Owns this rank's StepTimer and, with `profiling.enabled`, its Timeline."""
 
     def __init__(self, settings: Profiling, *, rank: int, run_dir: Path,
-                 synchronize: Callable[[], None] | None = None) -> None:
+                 device_clock: DeviceClock | None = None) -> None:
+        """`device_clock`: the GPU's (`CudaClock`) when the rank trains on one; its phases are then timed by marks
+        in the GPU's queue read later, or, with `profiling.sync_timings`, by waiting for the GPU at each phase's
+        end."""
         self.settings = settings
         self.rank = rank
-        self.timer = StepTimer(enabled=settings.phase_timers or settings.enabled,
-                               synchronize=synchronize if settings.sync_timings else None)
+        synchronize = device_clock.synchronize if device_clock is not None and settings.sync_timings else None
+        self.timer = StepTimer(enabled=settings.phase_timers or settings.enabled, synchronize=synchronize,
+                               device_clock=device_clock if synchronize is None else None)
         self.timeline: Timeline | None = None
         if settings.enabled:
             self.timeline = Timeline(rank=rank, path=run_dir / TIMELINE_TEMPLATE.format(rank=rank),
@@ -77,6 +82,7 @@ class Profiler:
 
     def window_profile(self) -> dict[str, float]:
         """Mean seconds per phase over the steps since the last call, plus records per step."""
+        self.timer.settle(wait=True)
         window, self._window = self._window, []
         means = phase_means(window)
         if means:
@@ -86,6 +92,7 @@ class Profiler:
     def run_profile(self) -> dict[str, Any]:
         """This rank's profile over the kept steps: mean and median seconds per phase, throughput overall (wall)
         and of its own compute (what it would do without waiting for the others)."""
+        self.timer.settle(wait=True)
         records = list(self.kept) or list(self._window)
         if not records:
             return {"rank": self.rank, "steps": 0}

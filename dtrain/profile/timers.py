@@ -12,6 +12,12 @@ with computation is not a phase; only the part the rank waits for after its last
 learns when gradients are ready in one of two ways: from a hook on every parameter's gradient accumulation
 (cheap: DDP's own C++ all-reduce keeps running, no Python in the communication), or, when the timeline
 wants a span per bucket, from dtrain's comm hook, which also tells when each bucket's collective finished.
+
+On a GPU the host clock only sees how long the CPU took to queue a phase's work. Given a device clock
+(`dtrain.profile.device_clock`), the timer also marks each phase's start and end in the device's work queue and,
+once the device has passed a step's marks (checked without waiting at the next step's start, waited for only
+when a report reads the figures), replaces that step's phase times with the device's: the same figures as on the
+CPU, and no phase makes the CPU wait for the device.
 """
 
 from __future__ import annotations
@@ -21,7 +27,10 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dtrain.profile.device_clock import DeviceClock
 
 # In step order; a rank's position in a step (for stall reports) is the index of the phase it is in.
 PHASES = ("data", "forward", "backward", "comm_wait", "all_gather", "reduce_scatter", "bubble", "optimizer", "report",
@@ -93,6 +102,24 @@ class BucketClock:
         return [(int(i), float(ready), done) for i, ready, done in spans]
 
 
+def _move(phases: dict[str, float], within: str, name: str, seconds: float) -> None:
+    """Move up to `seconds` of phase `within` into phase `name` (never more than `within` holds)."""
+    moved = min(seconds, phases.get(within, 0.0))
+    if moved > 0:
+        phases[within] -= moved
+        phases[name] = phases.get(name, 0.0) + moved
+
+
+@dataclass
+class _Pending:
+    """A step whose phase times wait for the device's marks: (phase, start mark, end mark) per timed phase, and the
+    moves between phases (carved waits, exposed communication) to apply again to the device's times."""
+
+    record: StepRecord
+    marks: list[tuple[str, Any, Any]]
+    moves: list[tuple[str, str, float]]
+
+
 RECENT_STEPS = 20_000  # step records a StepTimer keeps (the most recent): a long run must not grow without bound
 
 
@@ -102,7 +129,12 @@ class StepTimer:
 
     def __init__(self, *, enabled: bool = True, clock: Callable[[], float] = time.perf_counter,
                  on_span: Callable[[str, float, float, int], None] | None = None,
-                 synchronize: Callable[[], None] | None = None, max_records: int = RECENT_STEPS) -> None:
+                 synchronize: Callable[[], None] | None = None, device_clock: DeviceClock | None = None,
+                 max_records: int = RECENT_STEPS, max_pending: int = 64) -> None:
+        """`synchronize`: wait for the device at each phase's end (the phase's host time is then the device's too);
+        `device_clock` (a `dtrain.profile.device_clock.DeviceClock`): time phases by marks in the device's queue,
+        read later, never waiting in the step; at most `max_pending` steps wait for theirs (then the oldest is
+        waited for: a device far behind the CPU)."""
         self.enabled = enabled
         self.clock = clock
         self.buckets = BucketClock(clock)
@@ -110,6 +142,11 @@ class StepTimer:
         self.activity = Activity(step=0, phase="setup", since=time.time())
         self._on_span = on_span  # the timeline's recorder while profiling is on
         self._synchronize = synchronize
+        self._device = device_clock
+        self._marks: list[tuple[str, Any, Any]] = []
+        self._moves: list[tuple[str, str, float]] = []
+        self._pending: deque[_Pending] = deque()
+        self._max_pending = max_pending
         self._step = 0
         self._start = 0.0
         self._phases: dict[str, float] = {}
@@ -120,10 +157,12 @@ class StepTimer:
         self._on_span = sink
 
     def begin_step(self, step: int) -> None:
+        self.settle(wait=False)  # earlier steps' device times, where the device is past them
         self._step = step
         self._phases = {}
         self._backward_end = None
         self._carved = []
+        self._marks, self._moves = [], []
         self._start = self.clock()
 
     def carve(self, name: str, seconds: float) -> None:
@@ -140,11 +179,14 @@ class StepTimer:
             yield
             return
         start = self.clock()
+        first = self._device.mark() if self._device is not None else None
         try:
             yield
         finally:
             if self._synchronize is not None:
                 self._synchronize()
+            if self._device is not None:
+                self._marks.append((name, first, self._device.mark()))
             end = self.clock()
             self._phases[name] = self._phases.get(name, 0.0) + (end - start)
             if name == "backward":
@@ -164,9 +206,8 @@ class StepTimer:
         if not self.enabled or "backward" not in self._phases:
             return spans
         if exposed > 0:
-            exposed = min(exposed, self._phases["backward"])
-            self._phases["backward"] -= exposed
-            self._phases["comm_wait"] = self._phases.get("comm_wait", 0.0) + exposed
+            _move(self._phases, "backward", "comm_wait", exposed)
+            self._moves.append(("backward", "comm_wait", exposed))
         return spans
 
     def end_step(self, records: int) -> StepRecord | None:
@@ -175,14 +216,36 @@ class StepTimer:
         if not self.enabled:
             return None
         for within, name, seconds in self._carved:
-            moved = min(seconds, self._phases.get(within, 0.0))
-            if moved > 0:
-                self._phases[within] -= moved
-                self._phases[name] = self._phases.get(name, 0.0) + moved
+            _move(self._phases, within, name, seconds)
+        self._moves.extend(self._carved)
         self._carved = []
         record = StepRecord(self._step, self._start, self.clock() - self._start, self._phases, records)
         self.records.append(record)
+        if self._marks:  # its host times stand until the device's are read
+            self._pending.append(_Pending(record, self._marks, self._moves))
+            while len(self._pending) > self._max_pending:
+                self._resolve(self._pending.popleft())
+        self._marks, self._moves = [], []
         return record
+
+    def settle(self, *, wait: bool) -> None:
+        """Put the device's phase times into the steps that wait for them: those the device has passed, or, with
+        `wait` (a report about to read the figures), all of them."""
+        while self._pending and self._device is not None and (
+                wait or self._device.done(self._pending[0].marks[-1][2])):
+            self._resolve(self._pending.popleft())
+
+    def _resolve(self, pending: _Pending) -> None:
+        assert self._device is not None
+        phases: dict[str, float] = {}
+        for name, first, last in pending.marks:
+            phases[name] = phases.get(name, 0.0) + self._device.seconds(first, last)
+            self._device.release(first)
+            self._device.release(last)
+        for within, name, seconds in pending.moves:
+            _move(phases, within, name, seconds)
+        pending.record.phases.clear()
+        pending.record.phases.update(phases)
 
 
 def phase_means(records: list[StepRecord]) -> dict[str, float]:

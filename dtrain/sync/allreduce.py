@@ -9,7 +9,9 @@ Every replica applies the same combined gradient, so the replicas stay identical
 
 from __future__ import annotations
 
+import functools
 import gc
+import inspect
 import logging
 import re
 import time
@@ -23,6 +25,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 from dtrain.comm import Topology
+from dtrain.comm.collectives import collective_device
 from dtrain.comm.failures import is_unfinished_reduction
 from dtrain.compress import Compressor, NoCompression, WireStats, build_compressor
 from dtrain.config import ExperimentConfig
@@ -54,6 +57,28 @@ def unfinished_reduction_error(exc: RuntimeError, names: list[str]) -> SyncError
     return SyncError(f"model parameters got no gradient in this step{which}, so their all-reduce never ran on "
                      "this rank and the other ranks would wait for it; set `distributed.find_unused_parameters: "
                      "true` for models whose forward pass skips parameters")
+
+
+
+def ddp_version_arguments(caps: list[float], *, init_sync: bool) -> dict[str, Any]:
+    """The DistributedDataParallel arguments dtrain passes that not every supported torch takes, where the installed
+    one takes them (by its signature): `bucket_cap_mb_list` (torch PR 169026; without it `bucket_cap_mb` = the
+    larger cap, and the first bucket is DDP's fixed 1 MiB one), `batched_grad_copy` (PR 176638; without it one copy
+    per gradient) and `init_sync` (PR 142824; without it a rebuilt wrapper broadcasts rank 0's identical
+    weights once more)."""
+    accepted = _ddp_parameters()
+    arguments: dict[str, Any] = ({"bucket_cap_mb_list": caps} if "bucket_cap_mb_list" in accepted
+                                 else {"bucket_cap_mb": caps[-1]})
+    if "batched_grad_copy" in accepted:
+        arguments["batched_grad_copy"] = True
+    if "init_sync" in accepted:
+        arguments["init_sync"] = init_sync
+    return arguments
+
+
+@functools.cache
+def _ddp_parameters() -> frozenset[str]:
+    return frozenset(inspect.signature(DistributedDataParallel.__init__).parameters)
 
 
 class Replica(nn.Module):
@@ -238,9 +263,9 @@ class AllReduceStrategy:
         # all-reduce starts while backward goes on) with any bucket size; a plain bucket_cap_mb would make the
         # first bucket as large as the others.
         caps = [min(self.first_bucket_mb, self.bucket_cap_mb), self.bucket_cap_mb]
-        ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb_list=caps,  # type: ignore[arg-type]
-                                      find_unused_parameters=self.find_unused_parameters,
-                                      gradient_as_bucket_view=True, batched_grad_copy=True, init_sync=init_sync)
+        ddp = DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=self.find_unused_parameters,
+                                      gradient_as_bucket_view=True,
+                                      **ddp_version_arguments(caps, init_sync=init_sync))
         self._hooked = self._register_hook(ddp, model)
         return ddp
 
@@ -268,7 +293,7 @@ class AllReduceStrategy:
         # the very first step has no start time; it is a warm-up step, which observe() does not time
         self.tuner.observe(now - self._last_step_end if self._last_step_end is not None else float("nan"))
         if self.tuner.visit_complete():
-            reduced = torch.tensor([self.tuner.local_median()], dtype=torch.float64)
+            reduced = torch.tensor([self.tuner.local_median()], dtype=torch.float64, device=collective_device())
             dist.all_reduce(reduced)
             previous = self.tuner.current
             self.tuner.finish_visit(float(reduced.item()) / self.topology.world_size)

@@ -84,11 +84,17 @@ def batch_length(batch: Any) -> int:
 
 def metric_value(name: str, value: Any, where: str) -> float:
     """A metric the Trial returned, as a float; TrialError unless it is a scalar tensor or a number."""
+    return float(metric_term(name, value, where))
+
+
+def metric_term(name: str, value: Any, where: str) -> torch.Tensor | float:
+    """A metric the Trial returned, checked but not read: a float64 scalar tensor where it lives (reading a tensor
+    on a GPU waits for the device), or a float; TrialError unless it is a scalar tensor or a number."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise TrialError(f"{where} returned `{name}` with shape {tuple(value.shape)}; return a scalar (a mean "
                              "over the batch)")
-        return float(value.detach())
+        return value.detach().reshape(()).to(torch.float64)
     if isinstance(value, (int, float)):
         return float(value)
     raise TrialError(f"{where} returned `{name}` of type {type(value).__name__}; return tensors or floats")

@@ -43,17 +43,22 @@ class Progress:
 
     def update(self, step: int, epoch_of: Callable[[int], float], loss: Any) -> None:
         """Record that `step` batches are done; `loss` is this rank's latest training loss (a scalar tensor or a
-        number). Epoch and loss are only worked out when shown (reading a loss may wait for the device)."""
+        number). Epoch and loss are only worked out when shown, every `report_every` batches and at the end (reading
+        a loss on a GPU waits for the device: never per batch)."""
         if not self.enabled:
             return
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
-            rate = self.samples_per_second(step)
-            self._bar.set_postfix_str(f"epoch {epoch_of(step):.2f} loss {_number(loss):.4f} {rate:,.0f} samples/s",
-                                      refresh=False)
-        elif step % self.report_every == 0 or step == self.total:
-            self.note(f"batch {step}/{self.total} epoch {epoch_of(step):.2f} loss {_number(loss):.4f} "
-                      f"{self.samples_per_second(step):,.0f} samples/s")
+        if step % self.report_every == 0 or step == self.total:  # the loss is read at report boundaries only
+            self._show(step, epoch_of, loss)
+
+    def _show(self, step: int, epoch_of: Callable[[int], float], loss: Any) -> None:
+        """The bar's figures, or a plain line: epoch, loss (read here) and samples/s after batch `step`."""
+        figures = f"epoch {epoch_of(step):.2f} loss {_number(loss):.4f} {self.samples_per_second(step):,.0f} samples/s"
+        if self._bar is not None:
+            self._bar.set_postfix_str(figures, refresh=False)
+        else:
+            self.note(f"batch {step}/{self.total} {figures}")
 
     def pause_clock(self, seconds: float) -> None:
         """Leave time spent outside training (validation, checkpoints) out of samples/s."""

@@ -8,13 +8,15 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+
 from dtrain.comm import Topology, all_gather_object, all_reduce_sums
 from dtrain.compress import WireStats
 from dtrain.data.sharding import BatchSplit
 from dtrain.errors import TrainingDiverged
 from dtrain.profile import Profiler, tensorboard_scalars
 from dtrain.sync import ReportingMetrics, SyncStrategy, WireMetering
-from dtrain.train.batches import metric_value
+from dtrain.train.batches import metric_term
 from dtrain.train.guard import RECIPE_ADVICE
 from dtrain.train.metrics import MetricsWriter
 from dtrain.train.schedule import Schedule
@@ -43,15 +45,16 @@ class WireMeter:
 
 class TrainingMetrics:
     """Record-weighted sums of the Trial's training metrics: those of the batches of the update in progress, and
-    those of the applied updates since the last report (a skipped update's batches are left out)."""
+    those of the applied updates since the last report (a skipped update's batches are left out). Tensor metrics
+    are summed where they live (on a GPU, on the device) and read only by `take_report`, at a report."""
 
     def __init__(self) -> None:
-        self.update: dict[str, float] = {}
-        self.since_report: dict[str, float] = {}
+        self.update: dict[str, torch.Tensor | float] = {}
+        self.since_report: dict[str, torch.Tensor | float] = {}
 
     def add_batch(self, outputs: Mapping[str, Any], records: int) -> None:
         for name, value in outputs.items():
-            self.update[name] = self.update.get(name, 0.0) + metric_value(name, value, "train_batch()") * records
+            self.update[name] = self.update.get(name, 0.0) + metric_term(name, value, "train_batch()") * records
         self.update["__records"] = self.update.get("__records", 0.0) + records
 
     def end_update(self, applied: bool) -> None:
@@ -61,8 +64,9 @@ class TrainingMetrics:
         self.update = {}
 
     def take_report(self) -> dict[str, float]:
+        """The sums since the last report, read (on a GPU this waits for the device: a report boundary)."""
         sums, self.since_report = self.since_report, {}
-        return sums
+        return {name: float(total) for name, total in sums.items()}
 
 
 class Reporter:

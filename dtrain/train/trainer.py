@@ -25,6 +25,7 @@ from dtrain.data.sharding import BatchSplit, split_by_sizes
 from dtrain.data.synthetic import synthetic_replay
 from dtrain.errors import TrialError
 from dtrain.profile import Profiler
+from dtrain.profile.device_clock import CudaClock
 from dtrain.runs.rundir import SUMMARY_FILE, RunInfo, write_json_atomic
 from dtrain.sync import (
     AsynchronousPacing,
@@ -235,8 +236,9 @@ class Trainer:
 
     def _build_profiler(self) -> Profiler:
         """Phase timers and the timeline; a strategy that can tells the timers when gradients are communicated."""
+        device = self.topology.device
         profiler = Profiler(self.config.profiling, rank=self.topology.rank, run_dir=self.run_dir,
-                            synchronize=torch.cuda.synchronize if self.topology.device.type == "cuda" else None)
+                            device_clock=CudaClock(device) if device.type == "cuda" else None)
         if profiler.enabled and self.topology.is_distributed and isinstance(self.strategy, BucketObserving):
             self.strategy.observe_buckets(profiler.timer.buckets, per_bucket=profiler.timeline is not None)
         if profiler.enabled and self.topology.is_distributed and isinstance(self.strategy, TimesWaits):

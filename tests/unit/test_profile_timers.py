@@ -357,3 +357,111 @@ def test_tensorboard_scalars_are_per_rank_milliseconds() -> None:
     assert scalars["throughput/samples_per_second/rank0"] == pytest.approx(32 / 0.05)
     assert "throughput/samples_per_second/rank2" not in scalars  # no wall time: no throughput
     assert len(scalars) == 2 * (len(PHASES) + 1) + 1
+
+
+# ------------------------------------------------------------------------------ the device's clock (GPU)
+
+
+class FakeDeviceClock:
+    """A GPU's clock as the timers see it: each mark holds the device time at which the fake device passes it,
+    the device has passed the marks up to `passed`, and `synchronize` and reads are counted (a read of a mark the
+    device has not passed would wait for the device)."""
+
+    def __init__(self) -> None:
+        self.device_now = 0.0  # the device time of the next mark
+        self.marks: list[float] = []
+        self.passed = 0
+        self.synchronized = 0
+        self.waited = 0
+        self.released: list[int] = []
+
+    def mark(self) -> int:
+        self.marks.append(self.device_now)
+        return len(self.marks) - 1
+
+    def done(self, mark: int) -> bool:
+        return mark < self.passed
+
+    def seconds(self, start: int, end: int) -> float:
+        if end >= self.passed:
+            self.waited += 1
+        return self.marks[end] - self.marks[start]
+
+    def release(self, mark: int) -> None:
+        self.released.append(mark)
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+
+def device_step(profiler: Profiler, clock: FakeClock, device: FakeDeviceClock, step: int,
+                phases: list[tuple[str, float, float]]) -> StepRecord:
+    """One step whose phases take (host seconds, device seconds) each."""
+    with profiler.step(step, records=8):
+        for name, host, on_device in phases:
+            with profiler.phase(name):
+                clock.advance(host)
+                device.device_now += on_device
+    return profiler.timer.records[-1]
+
+
+def test_on_a_gpu_no_phase_waits_for_the_device_and_its_times_are_read_a_step_later(tmp_path: Path) -> None:
+    """By default (sync_timings off) the timers never synchronize; a step's phases hold the device's times once a
+    later step has started and the device is past the step's marks, and not one read of a mark waits."""
+    device = FakeDeviceClock()
+    profiler = Profiler(Profiling(), rank=0, run_dir=tmp_path, device_clock=device)
+    clock = FakeClock(0.0)
+    profiler.timer.clock = clock
+    first = device_step(profiler, clock, device, 1, [("data", 0.01, 0.5), ("forward", 0.02, 2.0),
+                                                     ("backward", 0.03, 4.0)])
+    assert device.synchronized == 0
+    assert first.phases == pytest.approx({"data": 0.01, "forward": 0.02, "backward": 0.03}, abs=TOL)  # host times
+    device.passed = len(device.marks)  # the device has done step 1's work
+    second = device_step(profiler, clock, device, 2, [("data", 0.01, 0.25), ("forward", 0.02, 1.0)])
+    assert first.phases == pytest.approx({"data": 0.5, "forward": 2.0, "backward": 4.0}, abs=TOL)
+    assert second.phases == pytest.approx({"data": 0.01, "forward": 0.02}, abs=TOL)  # not passed yet: not read
+    assert device.waited == 0 and device.synchronized == 0
+    assert sorted(device.released) == list(range(6))  # step 1's events go back to the pool
+    profile = profiler.window_profile()  # a report reads every step's figures: it may wait for the device
+    assert second.phases == pytest.approx({"data": 0.25, "forward": 1.0}, abs=TOL)
+    assert profile["forward"] == pytest.approx(1.5, abs=TOL) and device.waited == 2
+
+
+def test_sync_timings_waits_for_the_device_at_every_phase_end(tmp_path: Path) -> None:
+    device = FakeDeviceClock()
+    profiler = Profiler(Profiling(sync_timings=True), rank=0, run_dir=tmp_path, device_clock=device)
+    device_step(profiler, FakeClock(0.0), device, 1, [("data", 0.01, 0.5), ("forward", 0.02, 2.0)])
+    assert device.synchronized == 2 and device.marks == []
+
+
+def test_device_times_keep_the_moves_between_phases() -> None:
+    """A wait carved out of a phase, and the exposed communication cut from backward, move the same seconds out of
+    the device's times as out of the host's (never more than the phase holds)."""
+    clock, device = FakeClock(0.0), FakeDeviceClock()
+    timer = StepTimer(clock=clock, device_clock=device)
+    timer.begin_step(1)
+    with timer.phase("forward"):
+        clock.advance(0.5)
+        device.device_now += 3.0
+        timer.carve("all_gather", 0.25)
+    timer.buckets.last_gradient = clock() + 0.75
+    with timer.phase("backward"):
+        clock.advance(1.0)
+        device.device_now += 0.125
+    timer.split_backward()
+    record = timer.end_step(8)
+    assert record is not None
+    assert record.phases == pytest.approx({"forward": 0.25, "all_gather": 0.25, "backward": 0.75,
+                                           "comm_wait": 0.25}, abs=TOL)
+    device.passed = len(device.marks)
+    timer.settle(wait=False)
+    assert record.phases == pytest.approx({"forward": 2.75, "all_gather": 0.25, "backward": 0.0,
+                                           "comm_wait": 0.125}, abs=TOL)
+
+
+def test_a_device_far_behind_is_waited_for_beyond_max_pending() -> None:
+    clock, device = FakeClock(0.0), FakeDeviceClock()
+    timer = StepTimer(clock=clock, device_clock=device, max_pending=2)
+    for step in range(1, 5):
+        timed_step(timer, clock, step, [("forward", 0.5)])
+    assert device.waited == 2 and len(timer._pending) == 2

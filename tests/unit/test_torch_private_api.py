@@ -32,8 +32,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from dtrain.comm.shm import _group_timeout
-from dtrain.comm.stall import TESTED_TORCH, default_store, set_collective_timeout
+from dtrain.comm.stall import TESTED_TORCH, TESTED_TORCHES, default_store, set_collective_timeout
 from dtrain.data.arrays import ArrayDataset, keep_batch
+from dtrain.sync import allreduce
+from dtrain.sync.allreduce import ddp_version_arguments
+
+RELEASE = torch.__version__.split("+")[0]
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +67,9 @@ def _takes(function: object, *args: object, **kwargs: object) -> None:
         pytest.fail(f"{function} no longer takes {args} {kwargs} ({exc}); dtrain is tested with torch {TESTED_TORCH}")
 
 
-def test_tested_release_is_the_installed_one() -> None:
-    """The messages that name the tested release must name the one these tests ran on."""
-    assert torch.__version__.split("+")[0] == TESTED_TORCH
+def test_the_installed_release_is_one_dtrain_lists_as_tested() -> None:
+    """A release these tests pass on is added to TESTED_TORCHES (with where), and docs/gpu.md says so."""
+    assert RELEASE in TESTED_TORCHES, f"torch {RELEASE} is not in TESTED_TORCHES {sorted(TESTED_TORCHES)}"
 
 
 # ------------------------------------------------------------------------------- comm/stall.py
@@ -99,11 +103,32 @@ def test_set_pg_timeout_sets_the_gloo_timeout(one_rank_group: dist.ProcessGroup)
 # ------------------------------------------------------------------------------- sync/allreduce.py
 
 
+# The recent DistributedDataParallel arguments sync/allreduce.py passes where torch takes them, by release: per-bucket
+# caps (torch PR 169026, Nov 2025), batched gradient copies (PR 176638, Mar 2026; listed in 2.12's release notes)
+# and init_sync (PR 142824, Dec 2024). Every release tested here takes all three; an older one gets the fallbacks.
+DDP_ARGUMENTS_BY_RELEASE = {"2.13.0": {"bucket_cap_mb_list", "batched_grad_copy", "init_sync"},
+                            "2.14.1": {"bucket_cap_mb_list", "batched_grad_copy", "init_sync"}}
+
+
 def test_ddp_takes_the_arguments_dtrain_passes() -> None:
-    """sync/allreduce.py _build_ddp(): per-bucket caps (torch PR 169026, Nov 2025), batched gradient copies
-    (PR 176638, Mar 2026) and init_sync (PR 142824, Dec 2024) are recent DistributedDataParallel arguments."""
-    _takes(DistributedDataParallel.__init__, object(), nn.Linear(1, 1), device_ids=None, bucket_cap_mb_list=[1.0, 25.0],
-           find_unused_parameters=False, gradient_as_bucket_view=True, batched_grad_copy=True, init_sync=False)
+    """sync/allreduce.py _build_ddp(): what ddp_version_arguments picks binds to the installed DDP, and on a tested
+    release it is every recent argument (none quietly dropped)."""
+    arguments = ddp_version_arguments([1.0, 25.0], init_sync=False)
+    _takes(DistributedDataParallel.__init__, object(), nn.Linear(1, 1), device_ids=None,
+           find_unused_parameters=False, gradient_as_bucket_view=True, **arguments)
+    expected = DDP_ARGUMENTS_BY_RELEASE.get(RELEASE)
+    if expected is not None:
+        assert set(arguments) == expected
+
+
+def test_an_older_ddp_gets_the_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch without the recent arguments (2.11 has no batched_grad_copy) gets one bucket size for all buckets,
+    per-gradient copies and DDP's initial broadcast."""
+    monkeypatch.setattr(allreduce, "_ddp_parameters", lambda: frozenset({"self", "module", "bucket_cap_mb"}))
+    assert ddp_version_arguments([1.0, 25.0], init_sync=False) == {"bucket_cap_mb": 25.0}
+    monkeypatch.setattr(allreduce, "_ddp_parameters",
+                        lambda: frozenset({"bucket_cap_mb", "bucket_cap_mb_list", "init_sync"}))
+    assert ddp_version_arguments([1.0, 4.0], init_sync=True) == {"bucket_cap_mb_list": [1.0, 4.0], "init_sync": True}
 
 
 def _two_layers() -> nn.Module:
@@ -115,8 +140,8 @@ def test_ddp_private_members_dtrain_uses(one_rank_group: dist.ProcessGroup) -> N
     """sync/allreduce.py: Replica.check_reduction_finished() calls `_check_reducer_finalized`; the gradient
     observer reads `require_backward_grad_sync` (False under no_sync) to skip backward passes that do not
     communicate."""
-    ddp = DistributedDataParallel(_two_layers(), bucket_cap_mb_list=[1.0, 25.0],  # type: ignore[arg-type]
-                                  gradient_as_bucket_view=True, batched_grad_copy=True, init_sync=True)
+    ddp = DistributedDataParallel(_two_layers(), gradient_as_bucket_view=True,
+                                  **ddp_version_arguments([1.0, 25.0], init_sync=True))
     _takes(ddp._check_reducer_finalized)
     assert ddp.require_backward_grad_sync is True
     ddp(torch.ones(2, 4)).sum().backward()
