@@ -43,7 +43,8 @@ class Optimizations(Section):
                                                                            "`bucket_cap_mb`)")
     first_bucket_mb: float = Field(
         default=1.0, gt=0, description="cap of the first bucket (the last layers' gradients), as DDP's default: its "
-        "all-reduce starts while backward goes on (passed to DDP as `bucket_cap_mb_list=[first, size]`)")
+        "all-reduce starts while backward goes on (passed to DDP as `bucket_cap_mb_list=[first, size]` where torch "
+        "takes it; an older torch keeps its fixed 1 MiB first bucket)")
     auto_tune_tensor_fusion: bool = Field(default=False, description="try bucket sizes during the first steps, "
                                                                      "keep the fastest")
     memory_format: Literal["contiguous", "channels_last"] = Field(
