@@ -88,7 +88,8 @@ def set_collective_timeout(seconds: float) -> None:
     """Make the default group's collectives fail after `seconds` (for groups created with another timeout)."""
     if not dist.is_initialized():
         return
-    setter = getattr(distributed_c10d, "_set_pg_timeout", None)
+    # torch 2.14 made it public (dist.set_timeout) and deprecated the private one (a FutureWarning)
+    setter = getattr(dist, "set_timeout", None) or getattr(distributed_c10d, "_set_pg_timeout", None)
     if setter is None:
         _say_timeout_not_set(seconds)
     else:
@@ -99,10 +100,10 @@ def set_collective_timeout(seconds: float) -> None:
 def _say_timeout_not_set(seconds: float) -> None:
     """Once per process: without torch's private setter the groups dtrain creates keep the timeout they were
     created with (the same value), but a group created elsewhere keeps its own."""
-    log.warning("torch %s has no torch.distributed.distributed_c10d._set_pg_timeout: distributed.timeout_seconds "
-                "(%g s) holds only where dtrain created the process group, a group created with another timeout "
-                "keeps that one; install torch==%s, the release dtrain is tested with", torch.__version__, seconds,
-                TESTED_TORCH)
+    log.warning("torch %s has neither torch.distributed.set_timeout nor distributed_c10d._set_pg_timeout: "
+                "distributed.timeout_seconds (%g s) holds only where dtrain created the process group, a group "
+                "created with another timeout keeps that one; install torch==%s, the release dtrain is tested with",
+                torch.__version__, seconds, TESTED_TORCH)
 
 
 class StallMonitor:

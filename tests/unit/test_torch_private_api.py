@@ -86,9 +86,11 @@ def test_get_default_store_returns_the_groups_store(one_rank_group: dist.Process
 
 
 def test_set_pg_timeout_sets_the_gloo_timeout(one_rank_group: dist.ProcessGroup) -> None:
-    """comm/stall.py set_collective_timeout(): distributed.timeout_seconds for a group created with another one;
+    """comm/stall.py set_collective_timeout(): distributed.timeout_seconds for a group created with another one
+    (torch 2.14's public dist.set_timeout, else the private setter, which 2.14 deprecates);
     comm/shm.py reads it back from the same private field (a shared-memory wait gives up after it)."""
-    _takes(distributed_c10d._set_pg_timeout, timedelta(seconds=1))
+    setter = getattr(dist, "set_timeout", None) or distributed_c10d._set_pg_timeout  # public from torch 2.14
+    _takes(setter, timedelta(seconds=1))
     backend = one_rank_group._get_backend(torch.device("cpu"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # torch warns when it has no backend to set the timeout on
