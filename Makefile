@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dtrain-setup
 DATA_DIR := /usr/share/datasets/fashion-mnist
 
-.PHONY: setup data demo test test-fast test-unit test-distributed test-faults test-root bench lint clean slurm-up slurm-down
+.PHONY: setup data demo test test-fast test-unit test-distributed test-faults test-root bench lint clean slurm-up slurm-down gpu-check
 
 setup: $(STAMP) data
 
@@ -88,6 +88,21 @@ bench: setup
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/determined_compat.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/model_scale.py --skip accuracy
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/model_scale.py --accuracy-only
+
+# The GPU machine's image (Python 3.12, its own torch) lacks these of dtrain's dependencies; pinned to what
+# `make setup` installs here. They travel as wheels in .gpu-wheels (ignored; name it in the device tool's carry).
+GPU_WHEELS := .gpu-wheels
+GPU_WHEEL_PINS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+	typing-extensions==4.16.0 pyyaml==6.0.4 tqdm==4.70.1
+
+# Prepares the GPU check (docs/gpu.md): the wheels, the dry run here, and the device command to run it.
+gpu-check: setup
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d $(GPU_WHEELS) $(GPU_WHEEL_PINS)
+	$(PY) benchmarks/gpu_check.py --device cpu --out $${OUT:-/tmp/dtrain-gpu-check-dry-run}
+	@echo "on the GPU machine: run(command=\"bash benchmarks/gpu_check.sh $$(git rev-parse HEAD)\", carry=[\"$(GPU_WHEELS)\"], timeout_s=600)"
 
 lint: setup
 	$(VENV)/bin/ruff check dtrain tests benchmarks examples

@@ -44,3 +44,19 @@ def benchmark_module(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `cuda` need a GPU that torch sees: skipped, with the reason, where there is none (CI);
+    `make gpu-check` runs them on the GPU machine (`pytest -m cuda`)."""
+    if not any(item.get_closest_marker("cuda") for item in items):
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU; torch {torch.__version__} sees none here "
+                                   "(run on the GPU machine by `make gpu-check`: docs/gpu.md)")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
