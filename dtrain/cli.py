@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from dtrain import __version__
 from dtrain.commands import COMMANDS
@@ -17,7 +18,7 @@ from dtrain.errors import DtrainError, ExitCode
 class _Parser(argparse.ArgumentParser):
     """argparse that reports bad flags in our one-line style with exit code 2."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(ExitCode.USER_ERROR, f"dtrain: error: {message}; see `{self.prog} --help`\n")
 
 

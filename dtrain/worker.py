@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--run-dir is required (outside a Slurm job, or without CONFIG)")
     earlier = read_fatal(args.run_dir) if args.run_dir is not None else None
     if earlier is not None:  # a restart after a user error: fail fast, the error will not go away
-        return int(earlier.get("exit_code", ExitCode.USER_ERROR))  # type: ignore[call-overload]
+        code = earlier.get("exit_code")
+        return code if isinstance(code, int) else ExitCode.USER_ERROR
     from torch.distributed.elastic.multiprocessing.errors import record
 
     @record

@@ -29,6 +29,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -216,6 +217,7 @@ def _group_timeout() -> float:
     import torch.distributed as dist
 
     try:
+        # WORLD is None before init: the AttributeError that gives is caught below
         backend = dist.group.WORLD._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
         return float(backend.options._timeout.total_seconds())
     except (AttributeError, RuntimeError):
@@ -245,7 +247,7 @@ def setup_allgather(count: int, mode: str = "auto", *, policy: WaitPolicy | None
         return None
     rank, world = dist.get_rank(), dist.get_world_size()
     me = (socket.gethostname(), _boot_id(), len(os.sched_getaffinity(0)), supported(), SHM_DIR.is_dir(), os.getpid())
-    everyone: list[tuple[str, str, int, bool, bool, int]] = [None] * world  # type: ignore[list-item]
+    everyone: list[Any] = [None] * world  # all_gather_object fills one `me` tuple per rank
     dist.all_gather_object(everyone, me)
     hosts = sorted({(host, boot) for host, boot, *_ in everyone})
     cpus = min(info[2] for info in everyone)

@@ -94,7 +94,12 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = (), raw: dic
                 ) -> LoadedConfig:
     """Read, override and validate an experiment config; raise `ConfigError` with one line on any problem."""
     source = Path(path) if path is not None else None
-    data = copy.deepcopy(raw) if raw is not None else read_yaml(source)  # type: ignore[arg-type]
+    if raw is not None:
+        data = copy.deepcopy(raw)
+    elif source is not None:
+        data = read_yaml(source)
+    else:
+        raise ValueError("load_config needs the path of an experiment file or its raw mapping")
     _refuse_old_fault_section(data, "")
     override_keys = []
     for text in overrides:

@@ -208,7 +208,7 @@ def _one_type(annotation: Any, key: str) -> str:
 def _default(info: FieldInfo) -> str:
     if info.is_required():
         return "required"
-    value = info.default_factory() if info.default_factory is not None else info.default  # type: ignore[call-arg]
+    value = info.get_default(call_default_factory=True)
     if isinstance(value, Length):
         return f"`{{{value.unit}: {value.value}}}`"
     if isinstance(value, BaseModel):

@@ -119,6 +119,7 @@ def load_fashion_mnist(split: str = "train", directory: str | Path | None = None
                         "dataset-fashion-mnist` (or `make setup` as root), copy the files into one of these "
                         "directories, or set `data.download: true` where the internet is reachable")
     image_stem, label_stem = FILES[split]
+    # find_data_dir returns a directory only when it holds all four files
     images = read_idx(_find_file(found, image_stem), expected_ndim=3)  # type: ignore[arg-type]
     labels = read_idx(_find_file(found, label_stem), expected_ndim=1)  # type: ignore[arg-type]
     if images.shape[1:] != (28, 28) or len(images) != len(labels):

@@ -211,6 +211,7 @@ class DeterminedTrial(Trial):
         if self._evaluate_takes_index:
             returned = self.det_trial.evaluate_batch(batch, self._eval_index)
         else:
+            # an older Determined evaluate_batch(batch) takes no batch_idx (checked above)
             returned = self.det_trial.evaluate_batch(batch)  # type: ignore[call-arg]
         self._eval_index += 1
         return _metrics(returned, "evaluate_batch")

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from dtrain.determined.cluster import LATEST_FILE, core_checkpoint_root, run_dir_from_env
+from dtrain.determined.cluster import LATEST_FILE, ClusterInfo, core_checkpoint_root, run_dir_from_env
 from dtrain.determined.distributed import DistributedContext
 from dtrain.errors import ConfigError, TrialError
 
@@ -337,7 +337,7 @@ class Context:
         self.checkpoint = CheckpointContext(run)
         self.searcher = SearcherContext(run)
         self.preempt = PreemptContext(run)
-        self.info = None
+        self.info: ClusterInfo | None = None
 
     def close(self, failed: bool = False) -> None:
         self.preempt._restore()
@@ -358,7 +358,7 @@ def init(*, distributed: DistributedContext | None = None, checkpoint_storage: A
     distributed = distributed or (DistributedContext.from_torch_distributed() if run_dir_from_env()
                                   else DistributedContext.single())
     context = Context(_Run(distributed, checkpoint_storage))
-    context.info = get_cluster_info()  # type: ignore[assignment]
+    context.info = get_cluster_info()
     context.preempt._install()
     try:
         yield context

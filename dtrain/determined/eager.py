@@ -71,6 +71,7 @@ class WrappedOptimizers(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"WrappedOptimizers({', '.join(type(o).__name__ for o in self.optimizers)})"
 
+    # Determined's wrapper steps all its optimizers and takes no closure, so it returns None
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         del closure
 
@@ -148,6 +149,7 @@ def average_gradients(parameters: Sequence[nn.Parameter], world_size: int) -> No
             p.grad = torch.zeros_like(p)
     if not synced:
         return
+    # every synced parameter got a gradient in the loop above
     flat = torch.cat([p.grad.reshape(-1) for p in synced])  # type: ignore[union-attr]
     dist.all_reduce(flat)
     flat.div_(world_size)

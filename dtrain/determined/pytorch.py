@@ -5,8 +5,8 @@ dtrain Trial that trains it."""
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sized
+from typing import Any, cast
 
 import torch
 from torch.utils.data import Dataset
@@ -41,7 +41,7 @@ class DataLoader:
                                            drop_last=self.drop_last)
 
     def __len__(self) -> int:
-        return -(-len(self.dataset) // (self.batch_size or 1))  # type: ignore[arg-type]
+        return -(-len(cast(Sized, self.dataset)) // (self.batch_size or 1))  # a map-style dataset: it has a length
 
 
 class LRScheduler:
@@ -84,7 +84,7 @@ class TrainUnit:
         return f"{type(self).__name__}({self.value})"
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.value == self.value  # type: ignore[attr-defined]
+        return type(other) is type(self) and other.value == self.value
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, self.value))

@@ -83,6 +83,7 @@ def init(*, hparams: Mapping[str, Any] | None = None, exp_conf: Mapping[str, Any
         local_size=int(os.environ.get("LOCAL_WORLD_SIZE", topology.world_size)), cross_rank=topology.node_rank,
         cross_size=max(topology.world_size // max(int(os.environ.get("LOCAL_WORLD_SIZE", topology.world_size)), 1),
                        1)))
+    # dtrain's job details ride on Determined's context object, which has no field for them
     context._job = _Job(config, topology, run_info, local=run_dir is None)  # type: ignore[attr-defined]
     yield context
 
@@ -113,6 +114,7 @@ class Trainer:
         from dtrain.config import load_config
         from dtrain.train.trainer import Trainer as DtrainTrainer
 
+        # set by init() on the context that fit() is called with
         job = self.context._job  # type: ignore[attr-defined]
         raw = job.config.model_dump(mode="json")
         searcher = raw["searcher"]
@@ -142,8 +144,10 @@ class Trainer:
         adapter = adapter_for(type(self.trial))
 
         def build(trial_context: Any) -> Any:
+            # adapter_for gives a Trial whose __init__ also takes Determined's context and trial
             return adapter(trial_context, det_context=self.context, det_trial=self.trial)  # type: ignore[call-arg]
 
+        # a factory called as the Trial class would be: the Trainer only calls trial_class(context)
         trainer = DtrainTrainer(config=config, trial_class=build,  # type: ignore[arg-type]
                                 topology=job.topology, run_info=job.run_info,
                                 stop_advisor=_search_advisor(job.run_info.run_dir))

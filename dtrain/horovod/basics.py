@@ -103,7 +103,7 @@ def _env_int(*names: str, default: int) -> int:
     for name in names:
         value = os.environ.get(name)
         if value not in (None, ""):
-            return int(value)  # type: ignore[arg-type]
+            return int(value)
     return default
 
 
@@ -166,6 +166,7 @@ def shutdown() -> None:
     for process_set in STATE.sets.values():
         process_set.process_set_id = None
         process_set.group = None
+    # re-initialise the one module-level state in place, so every holder of it sees the reset
     STATE.__init__()  # type: ignore[misc]
 
 
@@ -278,7 +279,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     _check()
     if process_set.process_set_id in (None, 0):
         return False
-    STATE.sets.pop(process_set.process_set_id, None)  # type: ignore[arg-type]
+    STATE.sets.pop(process_set.process_set_id, None)
     if process_set.group is not None and dist.get_rank() in (process_set.ranks or []):
         dist.destroy_process_group(process_set.group)
     process_set.process_set_id, process_set.group = None, None

@@ -375,8 +375,8 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     if compression is not None:
         compressed, context = compression.compress(tensor)
         reduced = _AllreduceFn.apply(compressed, op, prescale_factor, postscale_factor, process_set, full)
-        return compression.decompress(reduced, context)  # type: ignore[no-any-return]
-    return _AllreduceFn.apply(tensor, op, prescale_factor, postscale_factor, process_set, full)  # type: ignore
+        return compression.decompress(reduced, context)
+    return _AllreduceFn.apply(tensor, op, prescale_factor, postscale_factor, process_set, full)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
@@ -384,7 +384,7 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """`allreduce` in place; returns `tensor`."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
-                                        process_set))  # type: ignore[no-any-return]
+                                        process_set))
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -422,7 +422,7 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
                        op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
-                                                process_set))  # type: ignore[no-any-return]
+                                                process_set))
 
 
 def _grouped_async(tensors: Sequence[torch.Tensor], op: int, name: str | None, prescale: float, postscale: float,
@@ -516,7 +516,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Proces
               ) -> torch.Tensor:
     """Every rank's tensor concatenated along dim 0, in rank order (dim 0 may differ per rank). Differentiable:
     the gradient is the Average-allreduce of the incoming gradient, this rank's rows."""
-    return _AllgatherFn.apply(tensor, process_set, _name("allgather", name))  # type: ignore[no-any-return]
+    return _AllgatherFn.apply(tensor, process_set, _name("allgather", name))
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
@@ -557,6 +557,7 @@ def _start_broadcast(tensor: torch.Tensor, root_rank: int, process_set: ProcessS
     negotiate("BROADCAST", name, tensor, group, root=root_rank, ranks=process_set.ranks)
     negotiated = time.perf_counter()
     direct = out is not None and out.is_contiguous() and tensor.dtype not in MOVE_WIRE
+    # direct is true only when out is a tensor
     buffer = out.detach() if direct else _to_wire(tensor)  # type: ignore[union-attr]
     work = dist.broadcast(buffer, src=root_rank, group=group, async_op=True)
 
@@ -600,7 +601,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """`root_rank`'s tensor on every rank, out of place. Differentiable: the gradient is the Average-allreduce
     of the incoming gradient on the root, zero elsewhere."""
-    return _BroadcastFn.apply(tensor, root_rank, process_set, _name("broadcast", name))  # type: ignore
+    return _BroadcastFn.apply(tensor, root_rank, process_set, _name("broadcast", name))
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -788,8 +789,8 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
     if compression is not None:
         compressed, context = compression.compress(tensor)
         out = _ReducescatterFn.apply(compressed, op, prescale_factor, postscale_factor, process_set, full)
-        return compression.decompress(out, context)  # type: ignore[no-any-return]
-    return _ReducescatterFn.apply(tensor, op, prescale_factor, postscale_factor, process_set, full)  # type: ignore
+        return compression.decompress(out, context)
+    return _ReducescatterFn.apply(tensor, op, prescale_factor, postscale_factor, process_set, full)
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: int = Average,

@@ -57,6 +57,7 @@ class _DistributedOptimizer:
             raise ValueError(f"backward_passes_per_step must be > 0, got {backward_passes_per_step}")
         if gradient_predivide_factor != 1.0 and op != Average:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
+        # mixed into the user's optimizer class, which has param_groups
         params = [p for group in self.param_groups for p in group["params"]]  # type: ignore[attr-defined]
         if named_parameters is not None:
             named = list(named_parameters)
@@ -77,7 +78,7 @@ class _DistributedOptimizer:
             self._parameter_names = {p: by_param[id(p)] for p in params}
         else:
             self._parameter_names = {p: f"allreduce.noname.{g}.{i}" for g, group in
-                                     enumerate(self.param_groups)  # type: ignore[attr-defined]
+                                     enumerate(self.param_groups)  # type: ignore[attr-defined]  # as above
                                      for i, p in enumerate(group["params"])}
         self._compression = compression if compression is not None else Compression.none
         self.backward_passes_per_step = backward_passes_per_step
@@ -171,7 +172,7 @@ class _DistributedOptimizer:
             if work is not None:
                 work.wait()
             out = ops._finish_allreduce(compressed, buffer, post, None)
-            return self._compression.decompress(out, context)  # type: ignore[no-any-return]
+            return self._compression.decompress(out, context)
 
         self._inflight.append((bucket, finish))
 
@@ -220,12 +221,13 @@ class _DistributedOptimizer:
         factor = self.gradient_predivide_factor
         compressed, context = self._compression.compress(flat)
         reduced = ops._allreduce_now(compressed, self.op, 1.0 / factor, factor, self.process_set, name)
-        return self._compression.decompress(reduced, context)  # type: ignore[no-any-return]
+        return self._compression.decompress(reduced, context)
 
     def _reduce_with_dtrain(self, flat: torch.Tensor, index: int, lengths: list[int], name: str) -> torch.Tensor:
         from dtrain.compress import BucketInfo, WireStats
         from dtrain.sync.hooks import run_round
 
+        # only called with a DtrainCompressor (the caller checks)
         compressor = self._compression.compressor  # type: ignore[union-attr]
         world = self.process_set.size()
         ops.negotiate("ALLREDUCE", name, flat, self.process_set.group, op=self.op, ranks=self.process_set.ranks)
@@ -251,6 +253,7 @@ class _DistributedOptimizer:
             self._should_synchronize = True
 
     def _base_step(self, closure: Any = None) -> Any:
+        # super() is the user's optimizer class, which this class is mixed into
         return super().step(closure)  # type: ignore[misc]
 
     def step(self, closure: Any = None) -> Any:
@@ -265,10 +268,10 @@ class _DistributedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._communicates and any(count == 0 for count in self._passes.values()):
             raise AssertionError(ZERO_GRAD_RACE)
-        super().zero_grad(set_to_none)  # type: ignore[misc]
+        super().zero_grad(set_to_none)  # type: ignore[misc]  # as in _base_step
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)  # type: ignore[misc]
+        super().load_state_dict(state_dict)  # type: ignore[misc]  # as in _base_step
         self._passes = {p: self.backward_passes_per_step for p in self._params}
         self._ready, self._next_bucket, self._inflight = set(), 0, []
         self._synchronized = False

@@ -45,7 +45,7 @@ def build_optimizer(config: LargeBatch, model: nn.Module, hparams: Mapping[str, 
         return LAMB(params, lr=lr, weight_decay=decay, **given)
     adam_family = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "radam": torch.optim.RAdam}
     if name in adam_family:
-        return adam_family[name](params, lr=lr, weight_decay=decay, **given)  # type: ignore[operator]
+        return adam_family[name](params, lr=lr, weight_decay=decay, **given)
     raise ValueError(f"no optimizer named {name!r} is built from config")
 
 

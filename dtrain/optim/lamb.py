@@ -55,6 +55,7 @@ class LAMB(torch.optim.Optimizer):
         total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
         return 1.0 / torch.clamp(total / self.max_grad_norm, min=1.0)
 
+    # torch's Optimizer.step is two overloads on closure; torch's own optimizers define this one signature
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure_loss(closure)

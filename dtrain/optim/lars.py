@@ -39,6 +39,7 @@ class LARS(torch.optim.Optimizer):
                     "adapt": adapt}
         super().__init__(params, defaults)
 
+    # torch's Optimizer.step is two overloads on closure; torch's own optimizers define this one signature
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = closure_loss(closure)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from dtrain.plan.units import BYTES_PER_FP32, MIB
 
@@ -55,17 +56,17 @@ class ComputeSpec:
             raise ValueError(f"backward_fraction must be in [0, 1], got {self.backward_fraction}")
 
     @classmethod
-    def from_samples_per_second(cls, samples_per_s: float, **kwargs: object) -> ComputeSpec:
-        return cls(seconds_per_sample=1.0 / samples_per_s, **kwargs)  # type: ignore[arg-type]
+    def from_samples_per_second(cls, samples_per_s: float, **kwargs: Any) -> ComputeSpec:
+        return cls(seconds_per_sample=1.0 / samples_per_s, **kwargs)
 
     @classmethod
-    def from_flops(cls, model: ModelSpec, device_flops_per_s: float, utilization: float, **kwargs: object
+    def from_flops(cls, model: ModelSpec, device_flops_per_s: float, utilization: float, **kwargs: Any
                    ) -> ComputeSpec:
         """Seconds per sample = training FLOPs / (peak FLOP/s * achieved fraction), as in nanoGPT's estimate_mfu."""
         if model.training_flops_per_sample is None:
             raise ValueError(f"model {model.name} has no FLOPs per sample; give samples per second instead")
         return cls(seconds_per_sample=model.training_flops_per_sample / (device_flops_per_s * utilization),
-                   **kwargs)  # type: ignore[arg-type]
+                   **kwargs)
 
     def batch_seconds(self, per_device_batch: int) -> float:
         """Forward + backward of one device's batch, and the fixed per-step cost."""
@@ -160,8 +161,8 @@ class StrategySpec:
         if self.bucket_bytes <= 0 or (self.first_bucket_bytes is not None and self.first_bucket_bytes <= 0):
             raise ValueError("bucket sizes must be > 0")
 
-    def with_(self, **changes: object) -> StrategySpec:
-        return replace(self, **changes)  # type: ignore[arg-type]
+    def with_(self, **changes: Any) -> StrategySpec:
+        return replace(self, **changes)
 
 
 __all__ = ["ALGORITHMS", "BACKWARD_FRACTION_OF_COMPUTE", "FLAT_ALGORITHMS", "TRAINING_FLOPS_PER_FORWARD_MAC",

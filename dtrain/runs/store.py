@@ -103,13 +103,13 @@ class RunStore:
     def create_experiment(self, name: str, description: str, config_yaml: str) -> int:
         cur = self._conn.execute("INSERT INTO experiments (name, description, config, created_at) VALUES (?,?,?,?)",
                                  (name, description, config_yaml, time.time()))
-        return int(cur.lastrowid)  # type: ignore[arg-type]
+        return _inserted_row(cur)
 
     def create_trial(self, experiment_id: int, run_dir: Path, hparams: Mapping[str, Any], world_size: int) -> int:
         cur = self._conn.execute(
             "INSERT INTO trials (experiment_id, run_dir, hparams, status, world_size, started_at) VALUES (?,?,?,?,?,?)",
             (experiment_id, str(run_dir), json.dumps(dict(hparams), default=str), "created", world_size, time.time()))
-        return int(cur.lastrowid)  # type: ignore[arg-type]
+        return _inserted_row(cur)
 
     def set_run_dir(self, trial_id: int, run_dir: Path) -> None:
         self._conn.execute("UPDATE trials SET run_dir=? WHERE id=?", (str(run_dir), trial_id))
@@ -174,6 +174,13 @@ class RunStore:
         for name, step, value in rows:
             latest.setdefault(name, {})[step] = float(value)  # the text 'NaN' of _stored back to a float
         return {name: sorted(by_step.items()) for name, by_step in sorted(latest.items())}
+
+
+def _inserted_row(cursor: sqlite3.Cursor) -> int:
+    """The id of the row an INSERT just wrote (sqlite3 sets `lastrowid` after every INSERT)."""
+    if cursor.lastrowid is None:
+        raise RuntimeError("the run store's INSERT left no row id")
+    return cursor.lastrowid
 
 
 def _stored(value: float) -> float | str:

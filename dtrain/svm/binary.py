@@ -44,13 +44,13 @@ def gather_model(solver: DistributedSMO) -> BinaryModel:
     rho = solver.rho()
     objective = solver.dual_objective()
     indices, coef, vectors = solver.support()
-    parts = solver.exchange.gather_objects((indices, coef, vectors, solver.stats.__dict__.copy()))
-    all_indices = np.concatenate([p[0] for p in parts])  # type: ignore[index]
+    parts: list[Any] = solver.exchange.gather_objects((indices, coef, vectors, solver.stats.__dict__.copy()))
+    all_indices = np.concatenate([p[0] for p in parts])
     order = np.argsort(all_indices, kind="stable")
     return BinaryModel(support=all_indices[order],
-                       coef=np.concatenate([p[1] for p in parts])[order],  # type: ignore[index]
-                       vectors=np.concatenate([p[2] for p in parts])[order],  # type: ignore[index]
-                       rho=rho, dual_objective=objective, stats=[p[3] for p in parts])  # type: ignore[index]
+                       coef=np.concatenate([p[1] for p in parts])[order],
+                       vectors=np.concatenate([p[2] for p in parts])[order],
+                       rho=rho, dual_objective=objective, stats=[p[3] for p in parts])
 
 
 def solve_binary(features: Any, labels: np.ndarray, params: SolverParams, rank: int = 0, world_size: int = 1

@@ -8,6 +8,7 @@ norms of the samples are computed once (RBF: |x|^2 + |X_k|^2 - 2 x.X_k, as libsv
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -102,8 +103,8 @@ def resolve_gamma(gamma: float | str, features: np.ndarray | object, n_features:
 
 def _variance(features: object) -> float:
     if hasattr(features, "multiply"):  # scipy sparse: E[x^2] - E[x]^2 over all entries
-        sparse = features
-        size = sparse.shape[0] * sparse.shape[1]  # type: ignore[attr-defined]
-        mean = float(sparse.sum()) / size  # type: ignore[attr-defined]
-        return float(sparse.multiply(sparse).sum()) / size - mean * mean  # type: ignore[attr-defined]
+        sparse: Any = features  # a scipy sparse matrix (scipy has no type hints here)
+        size = sparse.shape[0] * sparse.shape[1]
+        mean = float(sparse.sum()) / size
+        return float(sparse.multiply(sparse).sum()) / size - mean * mean
     return float(np.asarray(features, dtype=np.float64).var())

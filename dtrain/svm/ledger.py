@@ -14,6 +14,7 @@ sample was eliminated (one per elimination check, shared by the samples eliminat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,7 +52,8 @@ class Ledger:
         deltas = np.array([self.acc[g] - snapshot.get(g, 0.0) for g in keys], dtype=np.float64)
         return np.array(keys, dtype=np.int64), deltas
 
-    def reconstruct(self, f: np.ndarray, dense_rows: object, kernel: Kernel, chunk: int = 2048) -> int:
+    def reconstruct(self, f: np.ndarray, dense_rows: Callable[[np.ndarray], np.ndarray], kernel: Kernel,
+                    chunk: int = 2048) -> int:
         """Bring f of every eliminated sample up to date (in place); return the kernel evaluations spent.
 
         `dense_rows(positions)` gives the samples' features as a dense block. Afterwards every eliminated f is
@@ -66,7 +68,7 @@ class Ledger:
             changed = np.stack([self.features[int(g)] for g in keys])
             for start in range(0, len(epoch.positions), chunk):
                 rows = epoch.positions[start:start + chunk]
-                block = kernel.block(dense_rows(rows), changed)  # type: ignore[operator]
+                block = kernel.block(dense_rows(rows), changed)
                 f[rows] += block @ deltas
                 evaluations += block.size
         positions = [e.positions for e in self.epochs if len(e.positions)]

@@ -132,7 +132,7 @@ class SVMRunner:
     def _checkpoint(self, solver: DistributedSMO | None) -> None:
         """Every rank's part of the current problem, written by rank 0 (a collective)."""
         current = solver.local_state() if solver is not None else None
-        parts = (solver.exchange.gather_objects(current) if solver is not None else [None])
+        parts: list[Any] = (solver.exchange.gather_objects(current) if solver is not None else [None])
         if not self.topology.is_chief:
             barrier()
             return
@@ -144,12 +144,12 @@ class SVMRunner:
                                  "models": [{"rho": m.rho, "dual_objective": m.dual_objective, "stats": m.stats}
                                             for m in self.models]}
         if current is not None:
-            ordered = sorted(parts, key=lambda part: part["start"])  # type: ignore[index]
+            ordered = sorted(parts, key=lambda part: part["start"])
             for name in ("alpha", "f", "active", "streak"):
-                tensors[f"current.{name}"] = torch.from_numpy(np.concatenate([part[name] for part in ordered]))  # type: ignore[index]
-            state["current"] = {"problem": len(self.models), "iterations": int(ordered[0]["stats"]["iterations"]),  # type: ignore[index]
-                                "done": bool(ordered[0]["done"]),  # type: ignore[index]
-                                "stats": [part["stats"] for part in parts]}  # type: ignore[index]
+                tensors[f"current.{name}"] = torch.from_numpy(np.concatenate([part[name] for part in ordered]))
+            state["current"] = {"problem": len(self.models), "iterations": int(ordered[0]["stats"]["iterations"]),
+                                "done": bool(ordered[0]["done"]),
+                                "stats": [part["stats"] for part in parts]}
         self.newest = ckpt.write_checkpoint(self.run_dir / "checkpoints", self.step, tensors, state,
                                             extra_meta={"kind": "svm"},
                                             after_model_file=lambda: self.faults.during_checkpoint(self.step))

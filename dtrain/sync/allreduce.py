@@ -29,13 +29,13 @@ from dtrain.comm.collectives import collective_device
 from dtrain.comm.failures import is_unfinished_reduction
 from dtrain.compress import Compressor, NoCompression, WireStats, build_compressor
 from dtrain.config import ExperimentConfig
+from dtrain.config import ReduceOp as Op
 from dtrain.errors import SyncError
 from dtrain.sync.fusion import BYTES_PER_MB, FusionTuner, candidate_bucket_sizes
 from dtrain.sync.hooks import (
     BucketObserver,
     HookState,
     ObservedHookState,
-    Op,
     combine_bucket,
     observed_combine_bucket,
 )
@@ -308,6 +308,7 @@ class AllReduceStrategy:
         assert self._replica is not None and self._model is not None
         for parameter in self._model.parameters():
             parameter.grad = None  # they may be views of the old wrapper's buckets
+        # the DDP wrapper is dropped once the strategy is closed
         self._replica.ddp = None  # type: ignore[assignment]
         gc.collect()  # the old reducer removes its autograd hooks when it is freed
         self.bucket_cap_mb = bucket_cap_mb

@@ -107,7 +107,7 @@ def run_round(round_: Round, group: dist.ProcessGroup | None, wire: WireStats) -
             values_or_raise(collected)
             return payloads
 
-        return torch.futures.collect_all(futures).then(reduced)  # type: ignore[arg-type]
+        return torch.futures.collect_all(futures).then(reduced)
     packed = _pack(payloads)
     gathered = [torch.empty_like(packed) for _ in range(world)]
     work = dist.all_gather(gathered, packed, group=group, async_op=True)
@@ -133,6 +133,7 @@ def combine_bucket(state: HookState, bucket: dist.GradBucket) -> torch.futures.F
         try:
             done.set_result(adasum_all_reduce_(buffer, bucket_tensor_lengths(bucket), state.group))
         except Exception as exc:  # surfaces in backward() on this rank instead of dying in the reducer
+            # torch's stub types set_exception's argument as the future's result type; it takes an exception
             done.set_exception(exc)  # type: ignore[arg-type]
         return done
     compressor, info = state.compressor, bucket_info(state, bucket)

@@ -104,6 +104,7 @@ def materialize_stage(model: nn.Module, tensors: StagedTensors, strides: Sequenc
         for registry in (module._parameters, module._buffers):
             for name, tensor in list(registry.items()):
                 if tensor is not None and id(tensor) in replacement:
+                    # the registry may be module._buffers, whose values are plain tensors
                     registry[name] = replacement[id(tensor)]  # type: ignore[assignment]
     return received, released
 

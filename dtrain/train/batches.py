@@ -174,6 +174,7 @@ class TrainingBatches:
                                       start_record=offset)
         collate = keep_batch if returns_batches(self.data) else None
         loader: DataLoader[Any] = DataLoader(
+            # SizedDataset is the protocol of what DataLoader uses; torch's stub asks for its Dataset class
             self.data, batch_sampler=sampler, num_workers=self.num_workers, collate_fn=collate,  # type: ignore[arg-type]
             persistent_workers=self.num_workers > 0, pin_memory=self.pin_memory,
             generator=torch.Generator().manual_seed(self.seed))

@@ -70,8 +70,8 @@ class _ForwardPhase:
         self.compute.callbacks.before_compute()
         self.compute.started = time.perf_counter()
 
-    def __exit__(self, *exc: object) -> bool | None:
-        return self.phase.__exit__(*exc)  # type: ignore[arg-type]
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self.phase.__exit__(*exc)  # exc is what __exit__ was given
 
 
 class LocalForwardBackward:

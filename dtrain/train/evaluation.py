@@ -82,6 +82,7 @@ class Evaluator:
             inputs, targets = batch
             outputs = self.stages.forward_in_stages(inputs)
             if outputs is not None:
+                # pipeline_metrics is an optional Trial method; this branch runs only when the Trial has it
                 _add(sums, self.trial.pipeline_metrics(outputs, targets),  # type: ignore[attr-defined]
                      batch_length(batch), "pipeline_metrics()")
         return sums
@@ -89,6 +90,7 @@ class Evaluator:
     def _batch(self, records: range) -> Any:
         indices = list(records)
         if self.batched:
+            # self.batched means the dataset defines __getitems__
             batch = self.data.__getitems__(indices)  # type: ignore[attr-defined]
         else:
             batch = torch.utils.data.default_collate([self.data[i] for i in indices])

@@ -26,7 +26,7 @@ def apply_activation_checkpointing(model: nn.Module, block_types: Sequence[str])
         kind = type(module).__name__
         if kind in wanted:
             found.add(kind)
-            module.forward = functools.partial(_checkpointed, module.forward)  # type: ignore[method-assign]
+            module.forward = functools.partial(_checkpointed, module.forward)
             changed.append(name or "<root>")
     missing = sorted(wanted - found)
     if missing:

@@ -46,8 +46,8 @@ class MetricsWriter:
             return  # not rank 0: nothing to write, no thread
 
         def open_sinks() -> None:  # on the writer thread: a SQLite connection belongs to the thread that made it
-            if wants_store:
-                self._store = RunStore(store_path)  # type: ignore[arg-type]
+            if wants_store and store_path is not None:
+                self._store = RunStore(store_path)
             if tensorboard_dir is not None:
                 from torch.utils.tensorboard import SummaryWriter
 

@@ -230,6 +230,7 @@ class Trainer:
         if not any(tensor.is_meta for tensor in chain(model.parameters(), model.buffers())):
             model = model.to(self.topology.device)
             if self.channels_last:
+                # torch's stub for Module.to lacks memory_format, which Module.to takes
                 model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         apply_activation_checkpointing(model, self.config.optimizations.activation_checkpointing)
         return model
