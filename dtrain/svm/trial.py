@@ -5,8 +5,9 @@ Its hyperparameters are the estimator's (`C`, `gamma`, `kernel`, `shrinking`, ..
 values that a search can vary, and `global_batch_size`, which for an SVM is the number of SMO iterations in one
 "batch" (the unit of `searcher.max_length`, `min_checkpoint_period` and the training metrics). The data comes
 from the config's `data:` section (`dataset: fashion_mnist` with `classes`, `train_samples`, `test_samples`,
-or `dataset: digits` with optional `classes`); a subclass may build any other data set by overriding
-`build_training_data` / `build_validation_data` (an `ArrayDataset` of (features, labels)).
+`dataset: digits` with optional `classes`, or `dataset: files` with `train` and `validation`, one's own `.npz` or
+`.csv` files); a subclass may build any other data set by overriding `build_training_data` /
+`build_validation_data` (an `ArrayDataset` of (features, labels)).
 
 The SMO loop is not a gradient step, so the Trial names its own runner (`dtrain_runner`, `runner.py`), which
 the worker uses instead of the Trainer; the Trainer's loop is untouched.
@@ -23,7 +24,7 @@ import torch
 
 from dtrain.data import ArrayDataset
 from dtrain.errors import TrialError
-from dtrain.svm.datasets import digits, fashion_pair
+from dtrain.svm.datasets import digits, fashion_pair, from_file
 from dtrain.svm.estimator import SVC
 from dtrain.svm.runner import SVMRunner
 from dtrain.train.trial import Trial
@@ -31,11 +32,11 @@ from dtrain.train.trial import Trial
 HPARAMS = ("C", "kernel", "degree", "gamma", "coef0", "shrinking", "tol", "cache_size", "class_weight", "max_iter",
            "multi_class", "shrink_every", "shrink_patience", "shrink_gap", "shrink_margin", "working_set",
            "blas_threads", "exchange")
-DATA_KEYS = ("dataset", "classes", "train_samples", "test_samples", "directory")
+DATA_KEYS = ("dataset", "classes", "train_samples", "test_samples", "directory", "train", "validation")
 
 
 class SVMTrial(Trial):
-    """An SVM on Fashion-MNIST (a pair of classes) or digits, trained by the distributed SMO."""
+    """An SVM on Fashion-MNIST (a pair of classes), digits or one's own files, trained by the distributed SMO."""
 
     dtrain_runner = SVMRunner
 
@@ -53,11 +54,16 @@ class SVMTrial(Trial):
                                   self.context.resolve_path(directory) if directory else None)
         elif name == "digits":
             splits = digits(classes)
+        elif name == "files":
+            key = ("train", "validation")[part]
+            if not data.get(key):
+                raise TrialError(f"data.dataset files needs data.train and data.validation (a .npz with arrays X and "
+                                 f"y, or a .csv with the label last); data.{key} is missing")
+            return _dataset(from_file(self.context.resolve_path(str(data[key]))))
         else:
-            raise TrialError(f"data.dataset {name!r} is not one the SVM trial ships; use fashion_mnist or digits, "
-                             "or subclass SVMTrial and build your own data")
-        features, labels = splits[part]
-        return ArrayDataset(torch.from_numpy(np.ascontiguousarray(features)), torch.from_numpy(labels))
+            raise TrialError(f"data.dataset {name!r} is not one the SVM trial knows; use fashion_mnist, digits, or "
+                             "files (your own .npz or .csv: data.train and data.validation)")
+        return _dataset(splits[part])
 
     def build_training_data(self) -> ArrayDataset:
         return self._split(0)
@@ -73,6 +79,11 @@ class SVMTrial(Trial):
     def build_estimator(self) -> SVC:
         """The estimator from the hyperparameters (every name but global_batch_size must be one of HPARAMS)."""
         return estimator_from(self.context.hparams)
+
+
+def _dataset(split: tuple[np.ndarray, np.ndarray]) -> ArrayDataset:
+    features, labels = split
+    return ArrayDataset(torch.from_numpy(np.ascontiguousarray(features)), torch.from_numpy(labels))
 
 
 def estimator_from(hparams: Mapping[str, Any]) -> SVC:
