@@ -8,9 +8,10 @@ inside a list (a fault-injection kill) leaves the key out, and the message trans
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Annotated, Any, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.fields import FieldInfo
 
 from dtrain.errors import ConfigError
 
@@ -34,6 +35,30 @@ def picked_by(value: Any, key: str, default: str) -> Any:
     if isinstance(value, dict) and key not in value:
         return {**value, key: default}
     return value
+
+
+SectionT = TypeVar("SectionT", bound=BaseModel)
+
+
+def variants(union: Any, key: str, base: type[SectionT]) -> dict[str, type[SectionT]]:
+    """The sections of a union picked by `key` (a pydantic discriminated union, `Annotated` or bare), each a
+    subclass of `base`, by the name that picks each, in the union's order."""
+    members = get_args(union)
+    if get_origin(union) is Annotated:
+        members = get_args(members[0])
+    found: dict[str, type[SectionT]] = {}
+    for member in members:
+        if not (isinstance(member, type) and issubclass(member, base)):
+            raise TypeError(f"{member!r} in a union picked by {key!r} is not a {base.__name__}")
+        found[member.model_fields[key].default] = member
+    return found
+
+
+def field_variants(info: FieldInfo) -> dict[str, type[BaseModel]]:
+    """The sections a field picks from by a key, by name; {} for a field that is not such a union."""
+    if not isinstance(info.discriminator, str):
+        return {}
+    return variants(info.annotation, info.discriminator, BaseModel)
 
 
 class Length(Section):

@@ -8,11 +8,11 @@ tests/unit/test_config_names.py checks that each section's options and defaults 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from dtrain.config.base import Section
+from dtrain.config.base import Section, variants
 
 QSGDNorm = Literal["l2", "max"]
 
@@ -115,5 +115,4 @@ Compression = Annotated[
 ]
 
 # Each compressor's section by its name, in the order the union lists them.
-COMPRESSORS: dict[str, type[CompressorConfig]] = {
-    variant.model_fields["name"].default: variant for variant in get_args(get_args(Compression)[0])}
+COMPRESSORS = variants(Compression, "name", CompressorConfig)

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from dtrain.config.base import LENGTH_UNITS
+from dtrain.config.base import LENGTH_UNITS, field_variants
 from dtrain.config.experiment import ExperimentConfig
 
 REFERENCE = "docs/config-reference.md"
@@ -163,20 +163,13 @@ def _walk(raw: list[str]) -> tuple[list[str], Any, tuple[str, str | None, dict[s
         if info is None:
             model, picked = None, None
             continue
-        variants = _variants(info)
+        variants = field_variants(info)
         if variants:
             tag = next(parts, None)
             model, picked = variants.get(tag) if tag is not None else None, (info.discriminator, tag, variants)
         else:
             model, picked = _model_of(info.annotation), None
     return clean, model, picked
-
-
-def _variants(info: Any) -> dict[str, Any]:
-    """The sections a discriminated union field picks from, by the name that picks each ({} for other fields)."""
-    if not isinstance(info.discriminator, str):
-        return {}
-    return {arg.model_fields[info.discriminator].default: arg for arg in getattr(info.annotation, "__args__", ())}
 
 
 def _fields_at(raw: list[str]) -> list[str]:

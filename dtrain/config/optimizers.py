@@ -9,10 +9,11 @@ optimizer's class.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from dtrain.config.base import variants
 from dtrain.config.large_batch import LargeBatch
 
 _OPTIMIZER = "the optimizer (see `large_batch`)"
@@ -105,5 +106,4 @@ LargeBatchSection = Annotated[
 ]
 
 # Each optimizer's section by its name, in the order the union lists them.
-OPTIMIZERS: dict[str, type[LargeBatch]] = {
-    variant.model_fields["optimizer"].default: variant for variant in get_args(get_args(LargeBatchSection)[0])}
+OPTIMIZERS = variants(LargeBatchSection, "optimizer", LargeBatch)

@@ -19,7 +19,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from dtrain.config.base import Length
+from dtrain.config.base import Length, field_variants
 from dtrain.config.experiment import ExperimentConfig
 from dtrain.config.gate import is_built
 from dtrain.config.ignored import IGNORED_KEYS
@@ -84,7 +84,7 @@ def _tables(model: type[BaseModel], path: str, fields: Mapping[str, FieldInfo] |
     yield _Table(path, model, fields)
     for name, info in fields.items():
         child = f"{path}.{name}" if path else name
-        variants = _variants(info)
+        variants = field_variants(info)
         if variants:
             default = getattr(info.get_default(call_default_factory=True), str(info.discriminator))
             yield from _picked_tables(child, str(info.discriminator), variants, default)
@@ -113,13 +113,6 @@ def _picked_tables(path: str, key: str, variants: Mapping[str, type[BaseModel]],
             yield from _tables(inner, f"{path}.{name}")
 
 
-def _variants(info: FieldInfo) -> dict[str, type[BaseModel]]:
-    """The sections a discriminated union field picks from, by the name that picks each ({} for other fields)."""
-    if not isinstance(info.discriminator, str):
-        return {}
-    return {arg.model_fields[info.discriminator].default: arg for arg in get_args(info.annotation)}
-
-
 def _section(table: _Table) -> list[str]:
     lines = [f"## {table.heading}", "", _paragraph(table.model.__doc__ or ""), ""]
     if not table.fields and table.picked:
@@ -129,7 +122,7 @@ def _section(table: _Table) -> list[str]:
     lines += ["| Key | Type | Default | Allowed | Description |", "|---|---|---|---|---|"]
     for name, info in table.fields.items():
         key = f"{table.path}.{name}" if table.path and table.path != "lengths" else name
-        if _variants(info):
+        if field_variants(info):
             kind = f"[section](#{_anchor(_title(key))}) picked by `{info.discriminator}`"
             lines.append(f"| `{key}` | {kind} |  |  | {_cell(info.description or '')} |")
             continue
