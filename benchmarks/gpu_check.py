@@ -57,7 +57,7 @@ from dtrain.train.trainer import Trainer  # noqa: E402
 
 # sizes: (on a GPU, the dry run on the CPU)
 SIZES: dict[str, dict[str, Any]] = {
-    "cuda": {"equal_records": 512, "equal_steps": 6, "precision_records": 16384, "precision_epochs": 6,
+    "cuda": {"equal_records": 512, "equal_steps": 6, "precision_records": 16384, "precision_epochs": 15,
              "precision_batch": 512, "cnn_batch": 256, "cnn_steps": 300, "gpt": (12, 12, 768, 1024, 50304),
              "gpt_batch": 8, "gpt_steps": 40, "rounds": 3, "matmul": 8192},
     "cpu": {"equal_records": 64, "equal_steps": 3, "precision_records": 256, "precision_epochs": 1,
