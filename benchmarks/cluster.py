@@ -126,6 +126,22 @@ class Cluster:
         self.processes.append(process)
         return process  # type: ignore[no-any-return]
 
+    def train(self, config: str | Path, settings: Sequence[str], run_dir: Path, port: int) -> dict[str, Any]:
+        """One `dtrain run` of `config` with `settings` (`--set` values) on every node to the end, each node's
+        output in `run_dir/node<i>.out` and its run dir in `run_dir/node<i>`; node 0's summary."""
+        import json
+
+        run_dir.mkdir(parents=True)
+        args = [arg for setting in settings for arg in ("--set", setting)]
+        logs = [(run_dir / f"node{i}.out").open("w") for i in range(len(self.nodes))]
+        processes = [self.start(i, self.dtrain_run(i, config, run_dir / f"node{i}", port, args),
+                                stdout=log, stderr=subprocess.STDOUT) for i, log in enumerate(logs)]
+        codes = [p.wait(timeout=3600) for p in processes]
+        if any(codes):
+            raise RuntimeError(f"cluster run failed {codes}: {(run_dir / 'node0.out').read_text()[-1500:]}")
+        summary: dict[str, Any] = json.loads((run_dir / "node0" / "summary.json").read_text())
+        return summary
+
     def run(self, node_rank: int, argv: Sequence[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
         return subprocess.run(self.nodes[node_rank].wrap(argv), text=True, **kwargs)  # type: ignore[call-overload, no-any-return]
 

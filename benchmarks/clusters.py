@@ -93,16 +93,7 @@ def hetero(rounds: int, epochs: float, workdir: Path) -> tuple[dict[str, Any], l
 
 def cluster_run(cluster: Any, settings: list[str], run_dir: Path) -> dict[str, Any]:
     """One 2 x 2 `dtrain run` on the emulated cluster; node 0's summary."""
-    port = next(PORTS)
-    run_dir.mkdir(parents=True)
-    args = [arg for setting in settings for arg in ("--set", setting)]
-    logs = [(run_dir / f"node{i}.out").open("w") for i in range(2)]
-    processes = [cluster.start(i, cluster.dtrain_run(i, CONFIG, run_dir / f"node{i}", port, args),
-                               stdout=logs[i], stderr=subprocess.STDOUT) for i in range(2)]
-    codes = [p.wait(timeout=3600) for p in processes]
-    if codes != [0, 0]:
-        raise RuntimeError(f"cluster run failed {codes}: {(run_dir / 'node0.out').read_text()[-1500:]}")
-    summary: dict[str, Any] = json.loads((run_dir / "node0" / "summary.json").read_text())
+    summary: dict[str, Any] = cluster.train(CONFIG, settings, run_dir, next(PORTS))
     return summary
 
 

@@ -13,15 +13,13 @@ The model is the wide MLP of examples/wide_mlp at width 512 (4 blocks, 2.2 M par
 step's collectives over a 200 Mbit/s link take about as long as its compute. A step's time is the run's
 training seconds over its steps (`summary.json`: global batch / samples per second).
 
-    flock /tmp/dtrain-bench.lock .venv/bin/python benchmarks/hsdp_cluster.py              # 3 rounds, ~15 min
-    flock /tmp/dtrain-bench.lock .venv/bin/python benchmarks/hsdp_cluster.py --rounds 1   # ~5 min
+    flock /tmp/dtrain-bench.lock .venv/bin/python benchmarks/hsdp_cluster.py              # 3 rounds, ~20 min
+    flock /tmp/dtrain-bench.lock .venv/bin/python benchmarks/hsdp_cluster.py --quick      # ~5 min, 1 round
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,21 +37,6 @@ VARIANTS = {"hsdp": ["distributed.strategy=hsdp"], "fsdp": ["distributed.strateg
 
 def log(message: str) -> None:
     print(f"[hsdp_cluster {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def cluster_run(cluster: Any, settings: list[str], run_dir: Path) -> dict[str, Any]:
-    """One 2 x 2 `dtrain run` on the emulated cluster; node 0's summary."""
-    port = next(PORTS)
-    run_dir.mkdir(parents=True)
-    args = [arg for setting in settings for arg in ("--set", setting)]
-    logs = [(run_dir / f"node{i}.out").open("w") for i in range(2)]
-    processes = [cluster.start(i, cluster.dtrain_run(i, CONFIG, run_dir / f"node{i}", port, args),
-                               stdout=logs[i], stderr=subprocess.STDOUT) for i in range(2)]
-    codes = [p.wait(timeout=3600) for p in processes]
-    if codes != [0, 0]:
-        raise RuntimeError(f"cluster run failed {codes}: {(run_dir / 'node0.out').read_text()[-1500:]}")
-    summary: dict[str, Any] = json.loads((run_dir / "node0" / "summary.json").read_text())
-    return summary
 
 
 def plan_traffic(parameters: int, ranks: int, per_node: int) -> dict[str, dict[str, float]]:
@@ -76,7 +59,7 @@ def measure(rounds: int, steps: int, rate: str, workdir: Path) -> tuple[dict[str
     with emulated_cluster(nodes=2, rate=rate) as cluster:
         def runner(label: str) -> Any:
             def run(repeat: int) -> dict[str, Any]:
-                summary = cluster_run(cluster, [*base, *VARIANTS[label]], workdir / f"{label}-{repeat}")
+                summary = cluster.train(CONFIG, [*base, *VARIANTS[label]], workdir / f"{label}-{repeat}", next(PORTS))
                 return {"step_s": GLOBAL_BATCH / summary["samples_per_second"],
                         "strategy": summary["strategy"], "steps": summary["steps_completed"]}
             return run
@@ -98,7 +81,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the three variants (default 3)")
     parser.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
     parser.add_argument("--rate", default="200mbit", help="the inter-node link (tbf rate, default 200mbit)")
+    parser.add_argument("--quick", action="store_true", help="one round of 10 steps (a check, not a result: "
+                        "written as hsdp_cluster_quick)")
     args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.steps = 1, 10
     from cluster import unavailable_reason
     from common import machine_info, markdown_table, write_results
 
@@ -113,7 +100,7 @@ def main() -> None:
     markdown = (f"# hsdp_cluster\n\nHSDP against FSDP2 and DDP, 2 x 2 emulated cluster, inter-node link tbf "
                 f"{args.rate} (benchmarks/hsdp_cluster.py).\n\n{table}\n\nmedian step seconds: "
                 f"{headline['step_s_median']}\n")
-    path = write_results("hsdp_cluster", headline, rows, markdown,
+    path = write_results("hsdp_cluster_quick" if args.quick else "hsdp_cluster", headline, rows, markdown,
                          machine_info(f"2 network namespaces x 2 workers, veth tbf {args.rate}"),
                          {"settings": {"rounds": args.rounds, "steps": args.steps, "rate": args.rate}})
     print(markdown)
