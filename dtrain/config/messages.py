@@ -79,9 +79,7 @@ def _explain_one(error: Any, override_keys: Sequence[str]) -> str:
     if kind == "literal_error":
         choices = [c.strip(" '") for c in str(ctx.get("expected", "")).replace(" or ", ",").split(",")]
         choices = [c for c in choices if c]
-        near = difflib.get_close_matches(str(value), choices, n=1)
-        hint = f"did you mean `{near[0]}`?" if near else f"use one of: {', '.join(choices)}"
-        return f"`{dotted}` = {shown}{origin} must be one of {', '.join(choices)}; {hint}"
+        return _not_a_choice(dotted, shown, origin, choices)
     if kind.startswith(("int_", "float_", "bool_", "string_", "dict_", "list_", "model_")):
         family = kind.split("_")[0]
         wanted = {"int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
@@ -139,9 +137,14 @@ def _bad_tag(raw: list[str], ctx: Any, origin: str) -> str:
     tag = ctx.get("tag")
     if tag is None:
         return f"`{dotted}` is required{origin}; add it, e.g. `{tag_key}: {choices[0] if choices else '<name>'}`"
-    near = difflib.get_close_matches(str(tag), choices, n=1)
-    hint = f"did you mean `{near[0]}`?" if near else f"use one of: {', '.join(choices)}"
-    return f"`{dotted}` = {tag!r}{origin} must be one of {', '.join(choices)}; {hint}"
+    return _not_a_choice(dotted, repr(tag), origin, choices)
+
+
+def _not_a_choice(dotted: str, shown: str, origin: str, choices: list[str]) -> str:
+    """A value that is none of the choices: the choices once, and the nearest one when there is one."""
+    near = difflib.get_close_matches(shown.strip("'\""), choices, n=1)
+    hint = f"did you mean `{near[0]}`?" if near else "set it to one of them"
+    return f"`{dotted}` = {shown}{origin} must be one of {', '.join(choices)}; {hint}"
 
 
 def _walk(raw: list[str]) -> tuple[list[str], Any, tuple[str, str | None, dict[str, Any]] | None]:

@@ -346,3 +346,16 @@ def test_experiment_config_is_strict_about_types() -> None:
     with pytest.raises(ValidationError):
         config.max_restarts = -1
     assert isinstance(config, ExperimentConfig) and config.resources.slots_per_trial == 2
+
+
+@pytest.mark.parametrize(("setting", "once"), [
+    ({"checkpoint_storage": {"type": "s3"}}, "shared_fs, directory"),
+    ({"distributed": {"compression": {"name": "zzz"}}}, "none, fp16"),
+])
+def test_a_value_that_is_none_of_the_choices_lists_them_once(setting: dict[str, Any], once: str) -> None:
+    raw = {"entrypoint": "m:T", "hyperparameters": {"global_batch_size": 8},
+           "searcher": {"max_length": {"batches": 1}}, **setting}
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, raw=raw)
+    message = str(caught.value)
+    assert message.count(once) == 1 and "must be one of" in message and "\n" not in message, message
