@@ -79,8 +79,9 @@ class SearchProgress:
                          f"{t.user_attrs.get('batches_trained', '-'):>8}  {shown(t.params)}{bracket}")
         best = best_trial(drawn, self.spec.smaller_is_better)
         if best is not None:
+            run_dir = search_dir / str(best.user_attrs.get("run_dir", f"trial-{best.number}"))
             lines.append(f"  best: trial {best.number} ({self.spec.metric} {best_metric(best):.4f}), checkpoint "
-                         f"{checkpoint_of(search_dir / str(best.user_attrs.get('run_dir', f'trial-{best.number}')))}")
+                         f"{best_checkpoint_of(run_dir, self.spec.metric, self.spec.smaller_is_better)}")
         return "\n".join(lines)
 
 
@@ -95,3 +96,27 @@ def checkpoint_of(run_dir: Path) -> Path | None:
             return Path(named)
     latest = run_dir / "checkpoints" / "latest"
     return run_dir / "checkpoints" / latest.read_text().strip() if latest.is_file() else None
+
+
+def best_checkpoint_of(run_dir: Path, metric: str, smaller_is_better: bool) -> Path | None:
+    """The checkpoint of the trial's best validation of `metric` (the first one to reach the best value), when
+    it was kept (`checkpoint_storage.save_trial_best`); else the latest checkpoint (`checkpoint_of`)."""
+    import json
+
+    from dtrain.train.checkpoint import META_FILE, MODEL_FILE, checkpoint_name
+
+    summary = run_dir / "summary.json"
+    history = json.loads(summary.read_text()).get("validation_history", []) if summary.is_file() else []
+    scored = []
+    for entry in history:
+        metrics = entry.get("metrics", {})
+        name = next((n for n in (metric, metric.removeprefix("validation_")) if n in metrics), None)
+        if name is not None:
+            scored.append((float(metrics[name]), int(entry["step"])))
+    if scored:
+        best_value = (min if smaller_is_better else max)(value for value, _ in scored)
+        step = next(step for value, step in scored if value == best_value)
+        kept = run_dir / "checkpoints" / checkpoint_name(step)
+        if (kept / META_FILE).is_file():
+            return kept / MODEL_FILE
+    return checkpoint_of(run_dir)

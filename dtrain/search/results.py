@@ -10,28 +10,32 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from dtrain.search.link import STOPPED
-from dtrain.search.progress import best_metric, best_trial, checkpoint_of, state_of
+from dtrain.search.link import BRACKET, STOPPED
+from dtrain.search.progress import best_checkpoint_of, best_metric, best_trial, state_of
 from dtrain.search.spec import SearchSpec
 
 RESULTS_FILE = "results.json"
 PLOT_FILE = "search.png"
 
 
-def trial_records(trials: Sequence[Any], search_dir: Path) -> list[dict[str, Any]]:
+def trial_records(trials: Sequence[Any], search_dir: Path, metric: str = "validation_loss",
+                  smaller_is_better: bool = True) -> list[dict[str, Any]]:
+    """Every drawn trial as results.json lists it; `checkpoint` is the one of its best validation where it was
+    kept, and `bracket` is numbered from 1, as the terminal numbers it."""
     records = []
     for t in sorted(trials, key=lambda t: t.number):
         if t.state.name == "WAITING":
             continue
         run_dir = search_dir / str(t.user_attrs.get("run_dir", f"trial-{t.number}"))
-        checkpoint = checkpoint_of(run_dir)
+        checkpoint = best_checkpoint_of(run_dir, metric, smaller_is_better)
         records.append({
             "trial": t.number, "state": state_of(t), "hyperparameters": dict(t.params),
             "best_metric": best_metric(t), "final_metric": t.value,
             "batches_trained": t.user_attrs.get("batches_trained"),
             "epochs_trained": t.user_attrs.get("epochs_trained"),
             "reported": {str(step): value for step, value in sorted(t.intermediate_values.items())},
-            "bracket": t.user_attrs.get("bracket"), "stopped_by_searcher": t.user_attrs.get(STOPPED),
+            "bracket": t.user_attrs[BRACKET] + 1 if t.user_attrs.get(BRACKET) is not None else None,
+            "stopped_by_searcher": t.user_attrs.get(STOPPED),
             "invalid_hp": t.user_attrs.get("invalid_hp"), "error": t.user_attrs.get("error"),
             "run_dir": str(run_dir), "checkpoint": str(checkpoint) if checkpoint else None,
             "ended": t.datetime_complete.isoformat() if t.datetime_complete else None})
@@ -99,7 +103,7 @@ def tensorboard_hparams(records: Sequence[dict[str, Any]], spec: SearchSpec, log
 def write_results(trials: Sequence[Any], spec: SearchSpec, search_dir: Path, study_name: str, storage: str,
                   rungs: Sequence[int] = ()) -> Iterator[str]:
     """Write results.json, search.png and the TensorBoard hparams; yield the lines that point at them."""
-    records = trial_records(trials, search_dir)
+    records = trial_records(trials, search_dir, spec.metric, spec.smaller_is_better)
     best = best_trial([t for t in trials if t.state.name != "WAITING"], spec.smaller_is_better)
     payload = {"study_name": study_name, "storage": storage, "searcher": spec.name, "metric": spec.metric,
                "smaller_is_better": spec.smaller_is_better, "best_trial": best.number if best else None,
