@@ -189,6 +189,17 @@ def test_parameter_server_config_errors_are_one_line(ps: dict[str, Any], extra: 
     assert "\n" not in str(info.value)
 
 
+
+def test_the_compression_error_asks_only_to_remove_the_compression() -> None:
+    """`op: average` is the parameter server's own op: the compressor's error must not forbid it too."""
+    raw = {**BASE, "distributed": {"strategy": "parameter_server", "op": "average",
+                                   "compression": {"name": "topk", "ratio": 0.1}}}
+    with pytest.raises(ConfigError) as info:
+        load_config(None, raw=raw)
+    message = str(info.value)
+    assert "remove distributed.compression" in message and "distributed.op" not in message and "op " not in message
+    load_config(None, raw={**BASE, "distributed": {"strategy": "parameter_server", "op": "average"}})
+
 # ---------------------------------------------------------------- async shares with adaptive optimizers
 
 
