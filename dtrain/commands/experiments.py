@@ -142,8 +142,10 @@ def show_experiment(args: argparse.Namespace) -> int:
             print(f"  stopped by the searcher: {shown['summary']['stopped_by_searcher']}")
         summary = shown["summary"] or {}
         if summary:
+            rate = summary.get("samples_per_second", 0)  # None for an SVM: an SMO solve has no samples per second
             print(f"  {summary.get('steps_completed')} batches, {summary.get('wall_seconds', 0):.0f} s, "
-                  f"{summary.get('samples_per_second', 0):,.0f} samples/s, checkpoint {summary.get('checkpoint')}")
+                  + (f"{rate:,.0f} samples/s, " if rate is not None else "")
+                  + f"checkpoint {summary.get('checkpoint')}")
         if shown["validation"]:
             names = sorted(shown["validation"])
             steps = sorted({step for series in shown["validation"].values() for step, _ in series})

@@ -267,6 +267,13 @@ def _print_summary(run_dir: Path, experiment_id: int | None, summary: dict[str, 
         first = (f"dtrain: training {status}: the script reported {summary.get('steps_completed', 0)} steps on "
                  f"{summary.get('world_size', '?')} worker(s), {summary.get('wall_seconds', 0):.0f} s "
                  f"({launch_seconds:.0f} s in all)")
+    elif summary.get("svm") or summary.get("epochs_completed", 0) is None:  # an SMO solve has no epochs
+        svm = summary.get("svm") or {}
+        solved = (f" ({svm['iterations']:,} SMO iterations on {svm['n_samples']:,} samples, {svm['n_support']:,} "
+                  "support vectors)") if svm else ""
+        first = (f"dtrain: training {status}: {summary.get('steps_completed', 0)} batches of "
+                 f"{summary.get('global_batch_size', '?')} SMO iterations{solved} on {summary.get('world_size', '?')} "
+                 f"worker(s), {summary.get('wall_seconds', 0):.0f} s of training ({launch_seconds:.0f} s in all)")
     else:
         first = (f"dtrain: training {status}: {summary.get('steps_completed', 0)} batches "
                  f"({summary.get('epochs_completed', 0):.2f} epochs) on {summary.get('world_size', '?')} worker(s), "

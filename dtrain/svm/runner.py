@@ -237,7 +237,7 @@ class SVMRunner:
     def _finish(self) -> dict[str, Any]:
         summary: dict[str, Any] = {"status": self.status, "world_size": self.topology.world_size,
                                    "global_batch_size": self.iterations_per_batch, "steps_completed": self.step,
-                                   "epochs_completed": 0.0, "samples_per_second": 0.0}
+                                   "epochs_completed": None, "samples_per_second": None}  # an SMO solve has neither
         validation: dict[str, float] = {}
         if self.status == "completed":
             self.estimator.adopt(self.features, self.labels, self.problems, self.models)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dtrain.commands.run import _describe_checkpoint, _describe_sync
+import pytest
+
+from dtrain.commands.run import _describe_checkpoint, _describe_sync, _print_summary
 
 
 def test_a_sharded_checkpoint_says_how_to_get_a_plain_model(tmp_path: Path) -> None:
@@ -26,3 +28,16 @@ def test_pipeline_and_fsdp_describe_their_own_layout() -> None:
     assert _describe_sync({"name": "fsdp", "shards": 4, "reshard_after_forward": True}) == (
         "fsdp, 4 shards, reshard_after_forward True")
     assert _describe_sync({"name": "allreduce", "op": "average"}).startswith("allreduce, op average")
+
+
+def test_an_svm_run_says_smo_iterations_not_epochs_and_samples_per_second(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    summary = {"status": "completed", "world_size": 2, "global_batch_size": 200, "steps_completed": 7,
+               "epochs_completed": None, "samples_per_second": None, "wall_seconds": 12.0,
+               "validation": {"accuracy": 0.99}, "checkpoint": None,
+               "svm": {"iterations": 1234, "n_samples": 1437, "n_support": 321}}
+    _print_summary(tmp_path, None, summary, 15.0)
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == ("dtrain: training completed: 7 batches of 200 SMO iterations (1,234 SMO iterations on 1,437 "
+                     "samples, 321 support vectors) on 2 worker(s), 12 s of training (15 s in all)")
+    assert "epochs" not in first and "samples/s" not in first
