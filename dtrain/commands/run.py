@@ -291,8 +291,11 @@ def _print_summary(run_dir: Path, experiment_id: int | None, summary: dict[str, 
         wire = summary.get("communication") or {}
         if wire.get("communicating_steps"):
             ratio = wire.get("compression_ratio") or 1.0
+            steps, sent = summary.get("steps_completed", 0), wire["communicating_steps"]
+            per = ("update" if sent >= steps else  # e.g. local SGD's averaging rounds, accumulated gradients
+                   f"update that communicated ({sent:,} of {steps:,} batches)")
             lines.insert(3, f"  wire         {wire['compression']}: {wire['bytes_per_step'] / 1e6:,.3f} MB sent per "
-                            f"update by each worker ({ratio:.3g}x less than dense fp32), "
+                            f"{per} by each worker ({ratio:.3g}x less than dense fp32), "
                             f"{wire['total_bytes'] / 1e9:,.3f} GB in all")
     if experiment_id is not None:
         lines.append(f"  store        dtrain experiments show {experiment_id}")

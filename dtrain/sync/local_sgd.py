@@ -27,6 +27,7 @@ state is saved with the strategy's.
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at registration as real objects.
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -274,4 +275,20 @@ def build_local_sgd(config: ExperimentConfig, topology: Topology) -> LocalSGDStr
                             compressor=build_compressor(config.compression.name, **config.compression.options()))
 
 
-SPEC = StrategySpec("local_sgd", build_local_sgd)
+def local_sgd_summary(described: Mapping[str, Any]) -> str:
+    """The run summary's `sync` line: how often the replicas met and how, not an op (local SGD averages
+    parameters, or DiLoCo's pseudo-gradients, not gradients)."""
+    outer = described.get("outer_optimizer")
+    how = (f"an outer {outer['name']} step (lr {outer['lr']:g}, momentum {outer['momentum']:g})" if outer
+           else "parameters averaged")
+    compression = described.get("compression") or {}
+    name = compression.get("name") if isinstance(compression, Mapping) else None
+    text = (f"local_sgd, every {described.get('period')} updates {how}: {described.get('averaging_rounds')} "
+            f"averaging rounds, {described.get('synchronous_updates')} of {described.get('updates')} updates "
+            "synchronous")
+    if described.get("node_sync"):
+        text += ", gradients averaged inside each node every update"
+    return text + (f", compression {name}" if name and name != "none" else "")
+
+
+SPEC = StrategySpec("local_sgd", build_local_sgd, summary=local_sgd_summary)

@@ -41,3 +41,22 @@ def test_an_svm_run_says_smo_iterations_not_epochs_and_samples_per_second(
     assert first == ("dtrain: training completed: 7 batches of 200 SMO iterations (1,234 SMO iterations on 1,437 "
                      "samples, 321 support vectors) on 2 worker(s), 12 s of training (15 s in all)")
     assert "epochs" not in first and "samples/s" not in first
+
+
+def test_local_sgd_says_how_its_replicas_met_and_what_its_bytes_are_per(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    described = {"name": "local_sgd", "period": 8, "warmup_steps": 0, "node_sync": False, "average_buffers": True,
+                 "outer_optimizer": None, "compression": {"name": "none"}, "updates": 80, "synchronous_updates": 0,
+                 "averaging_rounds": 10}
+    line = _describe_sync(described)
+    assert line == ("local_sgd, every 8 updates parameters averaged: 10 averaging rounds, 0 of 80 updates "
+                    "synchronous")
+    assert "op" not in line.split()
+    summary = {"status": "completed", "world_size": 2, "steps_completed": 80, "epochs_completed": 1.0,
+               "samples_per_second": 100.0, "wall_seconds": 3.0, "validation": {}, "checkpoint": None,
+               "strategy": described, "communication": {"compression": "none", "communicating_steps": 10,
+                                                        "bytes_per_step": 2e6, "compression_ratio": 1.0,
+                                                        "total_bytes": 2e7}}
+    _print_summary(tmp_path, None, summary, 4.0)
+    wire = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("  wire"))
+    assert "MB sent per update that communicated (10 of 80 batches) by each worker" in wire
