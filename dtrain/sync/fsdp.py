@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed import all_gather_into_tensor, broadcast, reduce_scatter_tensor
+from torch.distributed import all_gather_single, broadcast, reduce_scatter_single
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -200,8 +200,9 @@ class FsdpStrategy:
 
 
 class TimedAllGather:
-    """FSDP2's all-gather (`dist.all_gather_into_tensor`, as its default) with its wall time reported as phase
-    `all_gather`. FSDP2 calls it synchronously on the CPU (no separate stream), so the call's time is the wait."""
+    """FSDP2's all-gather (`dist.all_gather_single`, as its default; `all_gather_into_tensor`, which torch 2.13
+    deprecates with a FutureWarning at every call, is not used) with its wall time reported as phase `all_gather`.
+    FSDP2 calls it synchronously on the CPU (no separate stream), so the call's time is the wait."""
 
     def __init__(self, record: Callable[[str, float], None]) -> None:
         self.record = record
@@ -212,13 +213,13 @@ class TimedAllGather:
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
                  async_op: bool = False) -> Any:
         started = time.perf_counter()
-        work = all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        work = all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
         self.record("all_gather", time.perf_counter() - started)
         return work
 
 
 class TimedReduceScatter:
-    """FSDP2's reduce-scatter (`dist.reduce_scatter_tensor`, as its default) with its wall time reported as phase
+    """FSDP2's reduce-scatter (`dist.reduce_scatter_single`, as its default) with its wall time reported as phase
     `reduce_scatter` (FSDP2 calls it synchronously)."""
 
     def __init__(self, record: Callable[[str, float], None]) -> None:
@@ -230,7 +231,7 @@ class TimedReduceScatter:
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                  async_op: bool = False) -> Any:
         started = time.perf_counter()
-        work = reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        work = reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         self.record("reduce_scatter", time.perf_counter() - started)
         return work
 
