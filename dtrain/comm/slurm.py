@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Mapping
 
 from dtrain.errors import LaunchError
@@ -56,3 +57,37 @@ def master_port(environ: Mapping[str, str]) -> int:
 
 def hostname() -> str:
     return os.uname().nodename
+
+
+def _scontrol(*argv: str) -> subprocess.CompletedProcess[str] | None:
+    scontrol = shutil.which("scontrol")
+    return subprocess.run([scontrol, *argv], capture_output=True, text=True) if scontrol else None
+
+
+def requeue(environ: Mapping[str, str]) -> str | None:
+    """`scontrol requeue` this job (a preempted job that exits by itself inside its grace time is not requeued by
+    Slurm); None when done, else what went wrong."""
+    shown = _scontrol("requeue", environ["SLURM_JOB_ID"])
+    if shown is None:
+        return "`scontrol` is not on PATH"
+    return None if shown.returncode == 0 else (shown.stderr.strip() or f"exit code {shown.returncode}")
+
+
+def preempt_time(environ: Mapping[str, str]) -> float | None:
+    """When Slurm selected this job for preemption and signalled it (`scontrol show job`'s PreemptTime, whole
+    seconds, local time), as epoch seconds; None when it was not, or scontrol cannot say."""
+    job = environ.get("SLURM_JOB_ID")
+    shown = _scontrol("show", "job", "-o", job) if job else None
+    if shown is None or shown.returncode != 0:
+        return None
+    fields = dict(part.split("=", 1) for part in shown.stdout.split() if "=" in part)
+    try:
+        return time.mktime(time.strptime(fields.get("PreemptTime", ""), "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
+
+
+def preempted(environ: Mapping[str, str]) -> bool:
+    """Whether Slurm selected this job for preemption (`scontrol show job` gives it a PreemptTime): the SIGTERM
+    that stopped the workers was the preemption's, not a user's scancel."""
+    return preempt_time(environ) is not None

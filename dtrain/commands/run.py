@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from collections.abc import Mapping
@@ -73,6 +74,7 @@ def run_experiment(args: argparse.Namespace) -> int:
     from dtrain.determined.entrypoint import load_trial
     from dtrain.determined.experiment import single_searcher_draw
     from dtrain.launch import NodeSpec, launch_workers
+    from dtrain.runs.preemptions import read_preemptions
     from dtrain.runs.rundir import SUMMARY_FILE, prepare_run_dir, read_summary, write_json_atomic
     from dtrain.runs.store import RunStore
     from dtrain.search.runner import is_search, raw_config
@@ -114,6 +116,8 @@ def run_experiment(args: argparse.Namespace) -> int:
     print(f"dtrain: run dir {info.run_dir}" + (" (resuming)" if info.resumed else ""), file=sys.stderr)
     started = time.time()
     result = launch_workers(info.run_dir, config, node)
+    if result.exit_code == ExitCode.INTERRUPTED and node.node_rank == 0:
+        _requeue_if_preempted(info.run_dir, os.environ)
     summary = read_summary(info.run_dir) or {}
     if result.exit_code != ExitCode.OK:
         print(f"dtrain: error: {result.message}", file=sys.stderr)
@@ -131,6 +135,10 @@ def run_experiment(args: argparse.Namespace) -> int:
         return ExitCode.OK
     if config.is_command:
         summary = _command_summary(info, summary, started, config.resources.world_size)
+    preemptions = read_preemptions(info.run_dir)
+    if preemptions:  # a Slurm job requeued after preemptions: what each cost, in the summary too
+        summary = {**summary, "preemptions": preemptions}
+        write_json_atomic(info.run_dir / SUMMARY_FILE, summary)
     _print_summary(info.run_dir, info.experiment_id, summary, time.time() - started)
     return ExitCode.OK if summary.get("status") == "completed" else ExitCode.STOPPED
 
@@ -167,6 +175,27 @@ def _node_options_from_slurm(args: argparse.Namespace, environ: Mapping[str, str
         args.master_port = slurm.master_port(environ)
     if args.run_dir is None:
         args.run_dir = slurm_run_dir(name, environ["SLURM_JOB_ID"], args.node_rank)
+
+
+def _requeue_if_preempted(run_dir: Path, environ: Mapping[str, str]) -> None:
+    """In a Slurm job that was preempted (its workers stopped with a checkpoint at the SIGTERM), requeue the job:
+    it starts again with the same id, so in the same run dir, and resumes from that checkpoint."""
+    from dtrain.comm import slurm
+    from dtrain.runs.preemptions import record_preemption
+
+    signalled = slurm.preempt_time(environ) if slurm.in_job_step(environ) else None
+    if signalled is None:
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the requeue's own SIGTERM: this process ends by itself now
+    job = environ["SLURM_JOB_ID"]
+    record_preemption(run_dir, job, signalled)
+    failed = slurm.requeue(environ)
+    if failed:
+        print(f"dtrain: error: preempted by Slurm, but `scontrol requeue {job}` failed: {failed}; resubmit the job "
+              f"with the same --run-dir {run_dir} to resume", file=sys.stderr)
+    else:
+        print(f"dtrain: preempted by Slurm: job {job} requeued (scontrol requeue); it resumes from {run_dir} when it "
+              "starts again", file=sys.stderr)
 
 
 # Kubeflow sets these in every pod for torchrun; `dtrain run` reads them too. A v1 PyTorchJob (training-operator)
@@ -297,6 +326,10 @@ def _print_summary(run_dir: Path, experiment_id: int | None, summary: dict[str, 
             lines.insert(3, f"  wire         {wire['compression']}: {wire['bytes_per_step'] / 1e6:,.3f} MB sent per "
                             f"{per} by each worker ({ratio:.3g}x less than dense fp32), "
                             f"{wire['total_bytes'] / 1e9:,.3f} GB in all")
+    if summary.get("preemptions"):
+        from dtrain.runs.preemptions import describe_preemptions
+
+        lines.append(f"  preempted    {describe_preemptions(summary['preemptions'])}")
     if experiment_id is not None:
         lines.append(f"  store        dtrain experiments show {experiment_id}")
     if status == "stopped":

@@ -18,8 +18,15 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --cpus-per-task=2
 #SBATCH --time=01:00:00
+#SBATCH --requeue
+#SBATCH --open-mode=append
 
 set -euo pipefail
+# Preemption (a partition with PreemptMode=REQUEUE and a GraceTime) sends SIGTERM to the job: the workers finish
+# their batch and write a checkpoint, and `dtrain run` on the first node requeues the job (scontrol requeue), which
+# starts again later with the same job id and so resumes from the same run dir. The batch shell only waits for the
+# step meanwhile (without this trap SIGTERM would end it at once and the step with it).
+trap 'echo "sbatch.sh: SIGTERM (preemption or scancel): waiting for the workers to checkpoint" >&2' TERM
 CONFIG=${1:-examples/fashion_mnist/distributed.yaml}
 shift $(( $# > 0 ? 1 : 0 ))
 # --kill-on-bad-exit: a node that fails (e.g. cannot reach the master) ends the step instead of leaving the

@@ -7,9 +7,12 @@ cluster; bad input under Slurm is one line naming the fix."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,8 +52,9 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
         slurm_down(root)
 
 
-def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / "step-8" / "model.pt", weights_only=True)  # type: ignore[no-any-return]
+def final_model(run_dir: Path, step: int = 8) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / f"step-{step}" / "model.pt",  # type: ignore[no-any-return]
+                      weights_only=True)
 
 
 def test_sbatch_and_srun_per_slot_end_as_dtrain_run_by_hand(slurm: SlurmCluster, tmp_path: Path) -> None:
@@ -103,3 +107,64 @@ def test_a_node_that_cannot_reach_the_master_is_one_line(slurm: SlurmCluster, tm
     assert len(errors) == 1, output
     assert errors[0].startswith("dtrain: error: this node (n2) cannot reach the master 10.202.0.99:"), output
     assert "Traceback" not in output
+
+
+def _wait_for_line(path: Path, text: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.is_file() and text in path.read_text():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{text!r} did not appear in {path}: {path.read_text() if path.is_file() else ''}")
+
+
+def _preempt(slurm: SlurmCluster, job: str, output: Path, restarts: int) -> None:
+    """Submit a job to the high partition that needs every CPU of both nodes: Slurm preempts `job`; once it is
+    requeued (pending, its restart count up), lift Slurm's begin-time hold so that it starts again at once."""
+    high = slurm.submit(["-p", "high", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=4", "--wrap", "sleep 1"],
+                        slurm.environment(), output.with_name(f"high-{restarts}.out"))
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job], env=slurm.environment(), capture_output=True,
+                               text=True).stdout
+        if "JobState=PENDING" in shown and f"Restarts={restarts}" in shown:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"job {job} was not requeued: {shown}\n{output.read_text()}")
+    assert slurm.wait(high) == "COMPLETED"
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.environment(), check=True)
+
+
+def test_a_job_preempted_twice_is_requeued_and_ends_bitwise_identical(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """Each preemption's SIGTERM makes the workers checkpoint after their batch; `dtrain run` requeues the job, which
+    resumes from its run dir (keyed by its id). find_unused_parameters keeps DDP's bucket layout fixed: with 3 or
+    more ranks, the default rebuilds it after the first step, which a resumed run repeats one step later."""
+    settings = ["--set", "searcher.max_length.batches=1000", "--set", "min_checkpoint_period.batches=100000",
+                "--set", "min_validation_period.batches=100000", "--set", "distributed.find_unused_parameters=true",
+                "--set", "distributed.timeout_seconds=120"]
+    runs, output = tmp_path / "runs", tmp_path / "job.out"
+    job = slurm.submit(["examples/clusters/sbatch.sh", str(CONFIG), *settings], slurm.job_environment(runs), output)
+    with emulated_cluster(nodes=2, rate="200mbit") as cluster:  # the uninterrupted run, meanwhile
+        logs = [(tmp_path / f"hand{i}.out").open("w") for i in range(2)]
+        hand = [cluster.start(i, cluster.dtrain_run(i, CONFIG, tmp_path / f"hand{i}", 29431,
+                                                    ["--set", "resources.slots_per_trial=4", *settings]),
+                              stdout=logs[i], stderr=subprocess.STDOUT) for i in range(2)]
+        _wait_for_line(output, "batch 100/1000")
+        _preempt(slurm, job, output, restarts=1)
+        _wait_for_line(output, "batch 500/1000")
+        _preempt(slurm, job, output, restarts=2)
+        assert [process.wait(timeout=600) for process in hand] == [0, 0]
+    assert slurm.wait(job) == "COMPLETED", output.read_text()
+    text = output.read_text()
+    stops = [int(n) for n in re.findall(r"SIGTERM: stopped after batch (\d+) with a checkpoint", text)]
+    assert len(stops) == 2 and text.count(f"dtrain: preempted by Slurm: job {job} requeued") == 2, text
+    assert all(f"resuming at batch {n};" in text for n in stops), text
+    summary = json.loads((runs / "digits_test" / f"slurm-{job}" / "summary.json").read_text())
+    assert [p["checkpoint"] for p in summary["preemptions"]] == [f"step-{n}" for n in stops]
+    assert all(p["batches_redone"] == 0 and 0 <= p["seconds_to_checkpoint"] < 60 for p in summary["preemptions"])
+    assert "  preempted    2 (" in text and "; 0 batches redone)" in text
+    reference = final_model(tmp_path / "hand0", 1000)
+    model = final_model(runs / "digits_test" / f"slurm-{job}", 1000)
+    for key in reference:
+        assert torch.equal(model[key], reference[key]), key

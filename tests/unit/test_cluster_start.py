@@ -167,3 +167,19 @@ def test_a_master_this_node_cannot_reach_is_one_line() -> None:
     with pytest.raises(LaunchError, match=f"cannot reach the master 127.0.0.2:{port}: Connection refused; every "
                                           "node must reach node 0"):
         check_master_reachable("127.0.0.2", port, 0.5)  # refused until the timeout
+
+
+def test_a_preemption_is_recorded_with_its_cost(tmp_path: Path) -> None:
+    from dtrain.runs.preemptions import describe_preemptions, read_preemptions, record_preemption
+
+    (tmp_path / "checkpoints").mkdir()
+    latest = tmp_path / "checkpoints" / "latest"
+    latest.write_text("step-352")
+    written = latest.stat().st_mtime
+    record_preemption(tmp_path, "7", written - 2.5)  # the checkpoint came 2.5 s after the signal: nothing redone
+    record_preemption(tmp_path, "7", written + 10)  # the newest checkpoint is older than the signal: lost batches
+    found = read_preemptions(tmp_path)
+    assert [(p["checkpoint"], p["seconds_to_checkpoint"], p["batches_redone"]) for p in found] == [
+        ("step-352", 2.5, 0), ("step-352", -10.0, None)]
+    assert describe_preemptions(found[:1]) == "1 (2.5 s from the signal to the checkpoint on disk; 0 batches redone)"
+    assert "unknown batches redone" in describe_preemptions(found)
