@@ -140,9 +140,8 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
         returned = elastic_launch(launch_config, entrypoint=sys.executable)(*args)
     except (SignalException, KeyboardInterrupt) as exc:
         signal_name = getattr(getattr(exc, "sigval", None), "name", "SIGINT")
-        latest = run_dir / "checkpoints" / "latest"
-        kept = latest.read_text().strip() if latest.is_file() else None
-        what = f"training up to checkpoints/{kept} is kept" if kept else "no checkpoint was written yet"
+        kept = _latest_checkpoint(run_dir)
+        what = f"training up to {kept} is kept" if kept else "no checkpoint was written yet"
         return LaunchResult(ExitCode.INTERRUPTED, f"interrupted by {signal_name}; the workers stopped at the next "
                             f"update with a checkpoint where they could, and {what}: run the same command with "
                             f"--run-dir {run_dir} to resume")
@@ -154,6 +153,22 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
                                 str(fatal["message"]))
         return LaunchResult(ExitCode.FAILED, _describe_failure(exc, run_dir))
     return LaunchResult(ExitCode.OK, chief=ran_rank_zero(returned))
+
+
+def _latest_checkpoint(run_dir: Path) -> str | None:
+    """`checkpoints/step-<N>` (or its URL where checkpoints go to object storage) that `latest` names, if any."""
+    from dtrain.runs.rundir import load_run_info
+    from dtrain.runs.storage import with_secrets
+    from dtrain.train.checkpoint import read_latest_name
+
+    store = with_secrets(load_run_info(run_dir).checkpoints)
+    try:
+        name = read_latest_name(store)
+    except OSError:  # storage unreachable now: the message says nothing about it
+        return None
+    if name is None:
+        return None
+    return f"checkpoints/{name}" if store.url == str((run_dir / "checkpoints").resolve()) else store.describe(name)
 
 
 def _cluster_rendezvous(node: NodeSpec) -> tuple[str, str, dict[str, object], str | None]:

@@ -90,6 +90,7 @@ def run_worker(args: argparse.Namespace) -> int:
         loaded = load_config(None, raw=read_yaml(run_dir / CONFIG_FILE))
     config = loaded.config
     check_buildable(config)
+    os.environ.update(config.checkpoint_storage.secrets())  # from an experiment file given here (none in config.yaml)
     if config.is_command:  # a command entrypoint: this process becomes the command (Determined's launch form)
         from dtrain.determined.command import exec_command
 

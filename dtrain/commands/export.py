@@ -19,9 +19,12 @@ def register(subcommands: Any) -> argparse.ArgumentParser:
     export = subcommands.add_parser(
         "export", help="write a plain model.pt from a run's checkpoint (joins a sharded run's shards)",
         description="Write the model of a checkpoint as one plain state_dict file: torch.load(path, "
-                    "weights_only=True) then model.load_state_dict() in one process.")
-    export.add_argument("path", type=Path, help="a run dir, its checkpoints/ dir, or one checkpoint (step-N); a run "
-                                                "or checkpoints dir means its latest complete checkpoint")
+                    "weights_only=True) then model.load_state_dict() in one process. Checkpoints in object storage "
+                    "are read through the run dir (run.json says where they are) or an s3://, gs:// or az:// URL "
+                    "(credentials and AWS_ENDPOINT_URL from the environment).")
+    export.add_argument("path", help="a run dir, its checkpoints/ dir, or one checkpoint (step-N), or the URL of a "
+                                     "run's checkpoints or of one of them; a run or checkpoints dir means its latest "
+                                     "complete checkpoint")
     export.add_argument("-o", "--output", type=Path, default=Path("model.pt"),
                         help="the file to write (default ./model.pt)")
     export.set_defaults(handler=run_export)
@@ -34,25 +37,28 @@ def run_export(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def export_model(path: Path, output: Path) -> int:
+def export_model(path: str | Path, output: Path) -> int:
     """Write the plain model state of the checkpoint `path` names to `output`; return its step."""
     import torch
 
     from dtrain.train import checkpoint as ckpt
 
-    ref = _checkpoint_at(path)
-    state = torch.load(ref.path / ckpt.STATE_FILE, weights_only=True)
+    ref = _checkpoint_at(str(path))
+    store, _ = ref.located()
+    state = ckpt.load_state_file(ref)
     sharded = state.get("sharded")
     if sharded is None:
-        model_state = torch.load(ref.path / ckpt.MODEL_FILE, weights_only=True)
+        model_state = ckpt.load_checkpoint(ref)[0]
     else:
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-        shards = ref.path.parent / sharded
-        if not shards.is_dir():
-            raise CheckpointError(f"checkpoint {ref.path} names shards in {shards}, which is missing; export "
-                                  "another checkpoint of the run")
+        if not store.exists(f"{sharded}/{ckpt.DCP_MARKER}"):
+            raise CheckpointError(f"checkpoint {ref.path} names shards in {store.describe(sharded)}, which are "
+                                  "missing or incomplete; export another checkpoint of the run")
         with tempfile.TemporaryDirectory(prefix="dtrain-export-") as tmp:
+            shards = store.local_path(sharded) if store.is_local else Path(tmp) / "shards"
+            if not store.is_local:
+                store.download(sharded, shards)
             joined = Path(tmp) / "joined.pt"
             dcp_to_torch_save(str(shards), str(joined))
             model_state = torch.load(joined, weights_only=True)["model"]
@@ -61,13 +67,24 @@ def export_model(path: Path, output: Path) -> int:
     return ref.step
 
 
-def _checkpoint_at(path: Path) -> Any:
+def _checkpoint_at(path: str) -> Any:
+    from dtrain.runs.rundir import RUN_FILE, load_run_info
+    from dtrain.runs.storage import CheckpointStore, store_for_url, with_secrets
     from dtrain.train import checkpoint as ckpt
 
-    if (path / ckpt.META_FILE).is_file():
-        return ckpt.verify_checkpoint(path)
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    ref = ckpt.find_resume_checkpoint(root)
+    if "://" in path:
+        store = store_for_url(path.rstrip("/"))
+    elif (Path(path) / RUN_FILE).is_file():  # a run dir: its checkpoints wherever run.json says they went
+        store = with_secrets(load_run_info(Path(path)).checkpoints)
+    elif (Path(path) / "checkpoints").is_dir():
+        store = CheckpointStore(url=str(Path(path, "checkpoints").resolve()))
+    else:
+        store = CheckpointStore(url=str(Path(path).resolve()))
+    if store.exists(ckpt.META_FILE):  # one checkpoint: its folder's name under its parent
+        parent, name = store.url.rsplit("/", 1)
+        return ckpt.verify_checkpoint(name, CheckpointStore(url=parent, options=store.options))
+    ref = ckpt.find_resume_checkpoint(store)
     if ref is None:
-        raise CheckpointError(f"no checkpoint in {path}; give a run dir, its checkpoints/ dir or a step-N dir")
+        raise CheckpointError(f"no checkpoint in {path}; give a run dir, its checkpoints/ dir, a step-N dir or the "
+                              "URL of one")
     return ref

@@ -76,6 +76,7 @@ def run_experiment(args: argparse.Namespace) -> int:
     from dtrain.launch import NodeSpec, launch_workers
     from dtrain.runs.preemptions import read_preemptions
     from dtrain.runs.rundir import SUMMARY_FILE, prepare_run_dir, read_summary, write_json_atomic
+    from dtrain.runs.storage import prepare_storage
     from dtrain.runs.store import RunStore
     from dtrain.search.runner import is_search, raw_config
 
@@ -109,6 +110,7 @@ def run_experiment(args: argparse.Namespace) -> int:
         check_command(config.entry.argv, loaded.base_dir)
     else:  # so do a wrong Trial class and hyperparameters it cannot use
         load_trial(config, loaded.base_dir).check_hyperparameters(config.hyperparameters)
+    prepare_storage(config.checkpoint_storage)  # a missing library, endpoint, bucket or key: one line, now
     for warning in loaded.warnings:
         print(f"dtrain: warning: {warning}", file=sys.stderr)
     info = prepare_run_dir(config, args.run_dir, loaded.base_dir, register=node.node_rank == 0,
@@ -340,12 +342,16 @@ def _print_summary(run_dir: Path, experiment_id: int | None, summary: dict[str, 
 def _describe_checkpoint(run_dir: Path, model_file: str | None) -> str:
     """The last checkpoint's model.pt, or, when the run wrote its weights as shards (fsdp, pipeline), how to get a
     plain one."""
+    from dtrain.runs.rundir import load_run_info
+    from dtrain.runs.storage import with_secrets
     from dtrain.train.checkpoint import SHARDED_DIR
 
     if model_file is None:
         return "none"
-    step_dir = Path(model_file).parent
-    if (step_dir.parent / SHARDED_DIR / step_dir.name).is_dir():
+    step_dir = model_file.rsplit("/", 1)[0]
+    step = step_dir.rsplit("/", 1)[-1]
+    store = with_secrets(load_run_info(run_dir).checkpoints)
+    if store.exists(f"{SHARDED_DIR}/{step}"):
         return f"{step_dir} (weights in shards: `dtrain export {run_dir}` writes a plain model.pt)"
     return model_file
 

@@ -33,6 +33,7 @@ from dtrain.config.names import (
 from dtrain.config.optimizers import OPTIMIZERS, LargeBatchSection
 from dtrain.config.parallelism import effective_precision, model_parallel_size
 from dtrain.config.profiling import Profiling
+from dtrain.config.storage import STORAGE_TYPES, CheckpointStorage, StorageSection
 from dtrain.config.strategies import (
     AllReduce,
     Fsdp,
@@ -46,9 +47,9 @@ from dtrain.config.strategies import (
     default_strategy,
     strategy_names,
 )
-from dtrain.config.training import CheckpointStorage, DataLoaderConfig, Reproducibility, Resources, Searcher
+from dtrain.config.training import DataLoaderConfig, Reproducibility, Resources, Searcher
 
-__all__ = ["COMPRESSORS", "IGNORED_KEYS", "OPTIMIZERS", "BatchSizeSchedule",
+__all__ = ["COMPRESSORS", "IGNORED_KEYS", "OPTIMIZERS", "STORAGE_TYPES", "BatchSizeSchedule", "StorageSection",
            "CheckpointStorage", "Compression", "CompressorConfig", "DataLoaderConfig", "Faults", "Decay", "DecayName",
            "Distributed", "ExperimentConfig", "GrowBy", "Heterogeneous", "Kill", "LargeBatch", "LargeBatchSection",
            "Length", "LoadedConfig", "LocalSGD", "Optimizations", "ParameterServer", "ParameterServerMode",

@@ -15,7 +15,8 @@ from dtrain.config.faults import Faults
 from dtrain.config.optimizers import LargeBatchSection, TrialOptimizer
 from dtrain.config.parallelism import check_layout
 from dtrain.config.profiling import Profiling
-from dtrain.config.training import CheckpointStorage, DataLoaderConfig, Reproducibility, Resources, Searcher
+from dtrain.config.storage import CheckpointStorage, DirectoryStorage, storage_by_type
+from dtrain.config.training import DataLoaderConfig, Reproducibility, Resources, Searcher
 from dtrain.errors import ConfigError
 
 
@@ -45,8 +46,9 @@ class ExperimentConfig(Section):
     checkpoint_policy: Literal["best", "all", "none"] = Field(
         default="best", description="also checkpoint after a validation: `best` (when the metric improves), `all`, "
         "`none`")
-    checkpoint_storage: CheckpointStorage = Field(default_factory=CheckpointStorage,
-                                                  description="how many checkpoints are kept")
+    checkpoint_storage: CheckpointStorage = Field(
+        default_factory=DirectoryStorage, description="where checkpoints go (`type`: `directory`, the run dir's "
+        "`checkpoints/` by default; `shared_fs`, `s3`, `gcs`, `azure`) and how many are kept")
     max_restarts: int = Field(default=5, ge=0, description="elastic-agent restarts of the workers after a failure; "
                                                            "each resumes from `checkpoints/latest`")
     nan_policy: Literal["abort", "skip"] = Field(
@@ -76,6 +78,11 @@ class ExperimentConfig(Section):
     @classmethod
     def _constant_hyperparameters(cls, value: dict[str, Any]) -> dict[str, Any]:
         return {name: _constant_hparam(name, spec) for name, spec in value.items()}
+
+    @field_validator("checkpoint_storage", mode="before")
+    @classmethod
+    def _storage_by_type(cls, value: Any) -> Any:
+        return storage_by_type(value)
 
     @field_validator("large_batch", mode="before")
     @classmethod

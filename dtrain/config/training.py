@@ -1,4 +1,4 @@
-"""Sections on what one trial runs with: resources, searcher, checkpoint storage, seed and data loading.
+"""Sections on what one trial runs with: resources, searcher, seed and data loading (checkpoint storage: storage.py).
 
 All but `data_loader` come from Determined's classic experiment file; keys that dtrain accepts from it but
 does not use say so in their description.
@@ -69,23 +69,6 @@ class Searcher(Section):
                                  "trials at rungs as `divisor` sets them")
     source_trial_id: int | None = Field(default=None, description=DETERMINED_ONLY)
     source_checkpoint_uuid: str | None = Field(default=None, description=DETERMINED_ONLY)
-
-
-class CheckpointStorage(Section):
-    """How many checkpoints to keep. dtrain writes them into the run dir (`checkpoints/step-<N>/`); Determined's
-    storage locations are accepted and not used."""
-
-    type: Literal["shared_fs", "directory"] = Field(default="directory", description=DETERMINED_ONLY)
-    host_path: str | None = Field(default=None, description=DETERMINED_ONLY)
-    storage_path: str | None = Field(default=None, description=DETERMINED_ONLY)
-    container_path: str | None = Field(default=None, description=DETERMINED_ONLY)
-    propagation: str | None = Field(default=None, description=DETERMINED_ONLY)
-    save_experiment_best: int = Field(default=0, ge=0, description=DETERMINED_ONLY + " (one experiment runs one "
-                                                                   "trial)")
-    save_trial_best: int = Field(default=1, ge=0, description="checkpoints kept: the best M by the searcher's "
-                                                             "metric")
-    save_trial_latest: int = Field(default=1, ge=1, description="checkpoints kept: the newest N (resume starts "
-                                                               "from the newest)")
 
 
 class Reproducibility(Section):

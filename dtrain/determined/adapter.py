@@ -270,10 +270,10 @@ class DeterminedTrial(Trial):
             if name in saved:
                 callback.load_state_dict(saved[name])
 
-    def checkpoint_written(self, path: Path | None) -> None:
+    def checkpoint_written(self, path: Path | str | None) -> None:
         if path is not None:
             self._call("on_checkpoint_write_end", str(path))
-            self._call("on_checkpoint_upload_end", path.name)
+            self._call("on_checkpoint_upload_end", str(path).rstrip("/").rsplit("/", 1)[-1])
 
     def training_ended(self, status: str) -> None:
         del status

@@ -1,7 +1,8 @@
 """The run directory: where a run's files live, how a new one is registered and an old one resumed.
 
-A run dir holds `config.yaml` (the resolved config), `run.json` (its ids in the store), `summary.json`,
-`checkpoints/`, `tensorboard/` and `logs/`. Starting `dtrain run` again on a run dir that holds an
+A run dir holds `config.yaml` (the resolved config, secrets left out), `run.json` (its ids in the store and where
+its checkpoints go), `summary.json`, `checkpoints/` (unless `checkpoint_storage` sends them elsewhere: see
+runs/storage.py), `tensorboard/` and `logs/`. Starting `dtrain run` again on a run dir that holds an
 unfinished run of the same config resumes it; anything else is refused before a file is touched.
 """
 
@@ -17,6 +18,7 @@ import yaml
 
 from dtrain.config import ExperimentConfig, dump_config
 from dtrain.errors import LaunchError
+from dtrain.runs.storage import CheckpointStore, new_store
 from dtrain.runs.store import RunStore
 
 CONFIG_FILE, RUN_FILE, SUMMARY_FILE = "config.yaml", "run.json", "summary.json"
@@ -46,10 +48,12 @@ class RunInfo:
     store: Path | None
     resumed: bool
     config_dir: Path  # directory of the experiment file: relative entrypoints and data paths start here
+    checkpoints: CheckpointStore  # where the run's checkpoints go (no secrets)
 
     def to_json(self) -> dict[str, Any]:
         return {"experiment_id": self.experiment_id, "trial_id": self.trial_id,
-                "store": str(self.store) if self.store else None, "config_dir": str(self.config_dir)}
+                "store": str(self.store) if self.store else None, "config_dir": str(self.config_dir),
+                "checkpoints": self.checkpoints.to_json()}
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:
@@ -110,7 +114,8 @@ def prepare_run_dir(config: ExperimentConfig, run_dir: Path | None, config_dir: 
         store.close()
     (run_dir / CONFIG_FILE).write_text(dump_config(config))
     info = RunInfo(run_dir=run_dir, experiment_id=experiment_id, trial_id=trial_id,
-                   store=store_path().resolve() if register else None, resumed=False, config_dir=config_dir)
+                   store=store_path().resolve() if register else None, resumed=False, config_dir=config_dir,
+                   checkpoints=new_store(config.checkpoint_storage, run_dir, config.name))
     write_json_atomic(run_dir / RUN_FILE, info.to_json())
     return info
 
@@ -131,7 +136,8 @@ def _reopen(config: ExperimentConfig, run_dir: Path, config_dir: Path) -> RunInf
     (run_dir / CONFIG_FILE).write_text(dump_config(config))
     store = ids.get("store")
     info = RunInfo(run_dir=run_dir.resolve(), experiment_id=ids.get("experiment_id"), trial_id=ids.get("trial_id"),
-                   store=Path(store) if store else None, resumed=True, config_dir=config_dir)
+                   store=Path(store) if store else None, resumed=True, config_dir=config_dir,
+                   checkpoints=_checkpoints_of(ids, run_dir))
     write_json_atomic(run_dir / RUN_FILE, info.to_json())
     return info
 
@@ -140,9 +146,19 @@ def load_run_info(run_dir: Path) -> RunInfo:
     """The ids a prepared run dir records (workers read them; they never register)."""
     ids = json.loads((run_dir / RUN_FILE).read_text()) if (run_dir / RUN_FILE).is_file() else {}
     store = ids.get("store")
+    checkpoints = _checkpoints_of(ids, run_dir)
     return RunInfo(run_dir=run_dir.resolve(), experiment_id=ids.get("experiment_id"), trial_id=ids.get("trial_id"),
-                   store=Path(store) if store else None, resumed=(run_dir / "checkpoints").is_dir(),
-                   config_dir=Path(ids.get("config_dir") or run_dir))
+                   store=Path(store) if store else None,
+                   resumed=(run_dir / "checkpoints").is_dir(),
+                   config_dir=Path(ids.get("config_dir") or run_dir), checkpoints=checkpoints)
+
+
+def _checkpoints_of(ids: dict[str, Any], run_dir: Path) -> CheckpointStore:
+    """The checkpoint store run.json records (a run dir from before it did: its own `checkpoints/`)."""
+    recorded = ids.get("checkpoints")
+    if isinstance(recorded, dict) and recorded.get("url"):
+        return CheckpointStore.from_json(recorded)
+    return CheckpointStore(url=str((run_dir / "checkpoints").resolve()))
 
 
 def slurm_run_dir(name: str, job_id: str, node_rank: int = 0) -> Path:

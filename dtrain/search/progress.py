@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtrain.search.link import BRACKET, INVALID
 from dtrain.search.spec import SearchSpec
+
+if TYPE_CHECKING:
+    from dtrain.runs.storage import CheckpointStore
 
 
 def shown(params: Mapping[str, Any]) -> str:
@@ -85,24 +88,40 @@ class SearchProgress:
         return "\n".join(lines)
 
 
-def checkpoint_of(run_dir: Path) -> Path | None:
-    """The checkpoint a trial's run dir names as its latest (summary.json's, else checkpoints/latest)."""
+def checkpoint_of(run_dir: Path) -> Path | str | None:
+    """The checkpoint a trial's run dir names as its latest (summary.json's model file, else what `latest` names in
+    its checkpoint storage): a local path or a URL."""
     import json
+
+    from dtrain.runs.rundir import load_run_info
+    from dtrain.runs.storage import with_secrets
+    from dtrain.train.checkpoint import read_latest_name
 
     summary = run_dir / "summary.json"
     if summary.is_file():
         named = json.loads(summary.read_text()).get("checkpoint")
         if named:
-            return Path(named)
-    latest = run_dir / "checkpoints" / "latest"
-    return run_dir / "checkpoints" / latest.read_text().strip() if latest.is_file() else None
+            return Path(named) if "://" not in str(named) else str(named)
+    store = with_secrets(load_run_info(run_dir).checkpoints)
+    try:
+        latest = read_latest_name(store)
+    except OSError:
+        return None
+    return _located(store, latest) if latest else None
 
 
-def best_checkpoint_of(run_dir: Path, metric: str, smaller_is_better: bool) -> Path | None:
+def _located(store: CheckpointStore, name: str) -> Path | str:
+    """A name in a checkpoint store as a local Path, or a URL."""
+    return store.local_path(name) if store.is_local else store.describe(name)
+
+
+def best_checkpoint_of(run_dir: Path, metric: str, smaller_is_better: bool) -> Path | str | None:
     """The checkpoint of the trial's best validation of `metric` (the first one to reach the best value), when
     it was kept (`checkpoint_storage.save_trial_best`); else the latest checkpoint (`checkpoint_of`)."""
     import json
 
+    from dtrain.runs.rundir import load_run_info
+    from dtrain.runs.storage import with_secrets
     from dtrain.train.checkpoint import META_FILE, MODEL_FILE, checkpoint_name
 
     summary = run_dir / "summary.json"
@@ -116,7 +135,11 @@ def best_checkpoint_of(run_dir: Path, metric: str, smaller_is_better: bool) -> P
     if scored:
         best_value = (min if smaller_is_better else max)(value for value, _ in scored)
         step = next(step for value, step in scored if value == best_value)
-        kept = run_dir / "checkpoints" / checkpoint_name(step)
-        if (kept / META_FILE).is_file():
-            return kept / MODEL_FILE
+        store = with_secrets(load_run_info(run_dir).checkpoints)
+        kept = checkpoint_name(step)
+        try:
+            if store.exists(f"{kept}/{META_FILE}"):
+                return _located(store, f"{kept}/{MODEL_FILE}")
+        except OSError:  # the storage cannot be reached now: name the latest one
+            pass
     return checkpoint_of(run_dir)

@@ -32,6 +32,7 @@ from dtrain.svm.binary import BinaryModel, gather_model, make_solver
 from dtrain.svm.estimator import SVC, summarize
 from dtrain.svm.solver import DistributedSMO
 from dtrain.train import checkpoint as ckpt
+from dtrain.train.checkpointing import agreed_store
 from dtrain.train.faults import FAULTS_FILE, FaultInjector
 from dtrain.train.metrics import MetricsWriter
 from dtrain.train.progress import Progress
@@ -68,6 +69,7 @@ class SVMRunner:
         self.config = config
         self.topology = topology
         self.run_dir = run_info.run_dir
+        self.checkpoints = agreed_store(run_info.checkpoints, topology)
         self.iterations_per_batch = config.global_batch_size
         self.total_batches = _batches(config.searcher.max_length, "searcher.max_length")
         self.checkpoint_every = _batches(config.min_checkpoint_period, "min_checkpoint_period")
@@ -104,8 +106,7 @@ class SVMRunner:
     # ------------------------------------------------------------------ checkpoints
 
     def _resume(self) -> None:
-        root = self.run_dir / "checkpoints"
-        ref = ckpt.find_resume_checkpoint(root)
+        ref = ckpt.find_resume_checkpoint(self.checkpoints)
         if ref is None:
             return
         arrays_, state = ckpt.load_checkpoint(ref)
@@ -122,7 +123,7 @@ class SVMRunner:
             self.resume_state = {"alpha": arrays_["current.alpha"].numpy(), "f": arrays_["current.f"].numpy(),
                                  "active": arrays_["current.active"].numpy(),
                                  "streak": arrays_["current.streak"].numpy(), **state["current"]}
-        self.progress.note(f"{self.config.name}: resumed from checkpoint {ref.path.name} (batch {self.step}, "
+        self.progress.note(f"{self.config.name}: resumed from checkpoint {ref.name} (batch {self.step}, "
                            f"{len(self.models)} of {len(self.problems)} problem(s) solved)")
 
     def _vectors(self, p: int, support: np.ndarray) -> np.ndarray:
@@ -150,10 +151,10 @@ class SVMRunner:
             state["current"] = {"problem": len(self.models), "iterations": int(ordered[0]["stats"]["iterations"]),
                                 "done": bool(ordered[0]["done"]),
                                 "stats": [part["stats"] for part in parts]}
-        self.newest = ckpt.write_checkpoint(self.run_dir / "checkpoints", self.step, tensors, state,
+        self.newest = ckpt.write_checkpoint(self.checkpoints, self.step, tensors, state,
                                             extra_meta={"kind": "svm"},
                                             after_model_file=lambda: self.faults.during_checkpoint(self.step))
-        ckpt.prune_checkpoints(self.run_dir / "checkpoints", keep_latest=2, keep_steps=set())
+        ckpt.prune_checkpoints(self.checkpoints, keep_latest=2, keep_steps=set())
         barrier()
 
     # ------------------------------------------------------------------ the run

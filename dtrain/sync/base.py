@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from dtrain.compress import WireStats
+from dtrain.runs.storage import ShardFolder
 from dtrain.sync.hooks import BucketObserver
 
 TrainBatch = Callable[[Any, nn.Module], Mapping[str, Any]]  # the Trial's train_batch(batch, model) -> outputs
@@ -181,12 +181,14 @@ class WritesShardedCheckpoint(Protocol):
     no rank ever holds the whole of it. The checkpoint's `model.pt` then holds no weights (`dtrain export` makes
     a plain one); without this extension rank 0 writes the state OwnsCheckpointState (or the default) returns."""
 
-    def save_sharded(self, directory: Path, optimizer: torch.optim.Optimizer) -> None:
-        """Write this rank's shards of the model and optimizer state under `directory` (every rank together)."""
+    def save_sharded(self, folder: ShardFolder, optimizer: torch.optim.Optimizer) -> None:
+        """Write this rank's shards of the model and optimizer state into `folder` (every rank together; DCP
+        through `folder.writer()`, a local folder or object storage alike)."""
         ...
 
-    def load_sharded(self, directory: Path, optimizer: torch.optim.Optimizer) -> None:
-        """Load this rank's shards back from `directory` (every rank together; after wrapping and building)."""
+    def load_sharded(self, folder: ShardFolder, optimizer: torch.optim.Optimizer) -> None:
+        """Load this rank's shards back from `folder` (every rank together; after wrapping and building; DCP
+        through `folder.reader()`)."""
         ...
 
 

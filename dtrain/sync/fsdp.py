@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from itertools import chain
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,6 +48,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from dtrain.comm import Topology, device_mesh
 from dtrain.config import ExperimentConfig
+from dtrain.runs.storage import ShardFolder
 from dtrain.sync.spec import StrategySpec
 
 FULL = StateDictOptions(full_state_dict=True)
@@ -173,17 +173,17 @@ class FsdpStrategy:
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         set_optimizer_state_dict(self._root(), optimizer, state, options=FULL)
 
-    def save_sharded(self, directory: Path, optimizer: torch.optim.Optimizer) -> None:
+    def save_sharded(self, folder: ShardFolder, optimizer: torch.optim.Optimizer) -> None:
         """Each rank writes its DTensor shards of the parameters and of the optimizer state (DCP)."""
         root = self._root()
         dcp.save({"model": get_model_state_dict(root), "optim": get_optimizer_state_dict(root, optimizer)},
-                 checkpoint_id=str(directory))
+                 storage_writer=folder.writer())
 
-    def load_sharded(self, directory: Path, optimizer: torch.optim.Optimizer) -> None:
+    def load_sharded(self, folder: ShardFolder, optimizer: torch.optim.Optimizer) -> None:
         """Each rank reads its own shards back (DCP re-shards when the number of ranks changed)."""
         root = self._root()
         model_state, optimizer_state = get_model_state_dict(root), get_optimizer_state_dict(root, optimizer)
-        dcp.load({"model": model_state, "optim": optimizer_state}, checkpoint_id=str(directory))  # in place
+        dcp.load({"model": model_state, "optim": optimizer_state}, storage_reader=folder.reader())  # in place
         set_model_state_dict(root, model_state)
         set_optimizer_state_dict(root, optimizer, optimizer_state)
 

@@ -31,7 +31,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +41,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from dtrain.comm import Topology, all_gather_object, device_mesh
 from dtrain.config import ExperimentConfig
 from dtrain.errors import ConfigError, TrialError
+from dtrain.runs.storage import ShardFolder
 from dtrain.sync.base import ComputePhases, TrainBatch
 from dtrain.sync.pipeline_state import distribute_stages, load_stage, save_stage
 from dtrain.sync.spec import StrategySpec
@@ -310,16 +310,16 @@ class PipelineStrategy:
             if id(parameter) not in own:
                 del optimizer.state[parameter]
 
-    def save_sharded(self, directory: Path, optimizer: torch.optim.Optimizer) -> None:
+    def save_sharded(self, folder: ShardFolder, optimizer: torch.optim.Optimizer) -> None:
         """WritesShardedCheckpoint: every rank writes its own stage (pipeline_state.save_stage); no rank gathers
         another stage."""
         assert self._model is not None, "wrap_model() first"
-        save_stage(directory, self._model, self._parts[self.stage_index], optimizer)
+        save_stage(folder, self._model, self._parts[self.stage_index], optimizer)
 
-    def load_sharded(self, directory: Path, optimizer: torch.optim.Optimizer) -> None:
+    def load_sharded(self, folder: ShardFolder, optimizer: torch.optim.Optimizer) -> None:
         """Read back this rank's stage only (pipeline_state.load_stage)."""
         assert self._model is not None, "wrap_model() first"
-        load_stage(directory, self._model, self._parts[self.stage_index], optimizer)
+        load_stage(folder, self._model, self._parts[self.stage_index], optimizer)
         self._stale = True  # the other stages' copies (when allocated) are older than this checkpoint
 
     # ------------------------------------------------------------------------------------- internals

@@ -20,7 +20,6 @@ over every parameter, which would touch the other stages' tensors that hold no s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +30,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dtrain.comm import Topology, all_gather_object, broadcast_object
 from dtrain.errors import CheckpointError, TrialError
+from dtrain.runs.storage import ShardFolder
 
 StagedTensors = list[tuple[torch.Tensor, frozenset[int]]]
 
@@ -109,20 +109,20 @@ def materialize_stage(model: nn.Module, tensors: StagedTensors, strides: Sequenc
     return received, released
 
 
-def save_stage(directory: Path, model: nn.Module, part: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def save_stage(folder: ShardFolder, model: nn.Module, part: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Write `part`'s parameters, buffers and optimizer state under `model`'s names (every rank together)."""
     names = parameter_names(model)
     state = {names[id(p)]: dict(optimizer.state[p]) for p in part.parameters() if p in optimizer.state}
     groups = [{**{key: value for key, value in group.items() if key != "params"},
                "params": [names[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
     dcp.save({"model": _own_state(model, part), "optim": {"state": state, "param_groups": groups}},
-             checkpoint_id=str(directory))
+             storage_writer=folder.writer())
 
 
-def load_stage(directory: Path, model: nn.Module, part: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_stage(folder: ShardFolder, model: nn.Module, part: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Read `part`'s parameters and buffers in place and its optimizer state from `directory` (every rank
     together); the other stages' entries are not read."""
-    reader = dcp.FileSystemReader(str(directory))
+    reader = folder.reader()
     metadata = reader.read_metadata()
     names = parameter_names(model)
     own_names = {names[id(p)] for p in part.parameters()}
@@ -142,7 +142,7 @@ def load_stage(directory: Path, model: nn.Module, part: nn.Module, optimizer: to
         groups = [{**group, "params": [index_of[name] for name in group["params"]]}
                   for group in wanted["optim"]["param_groups"]]
     except KeyError as missing:
-        raise CheckpointError(f"the checkpoint in {directory} holds optimizer state for parameter {missing}, which "
+        raise CheckpointError(f"the checkpoint in {folder} holds optimizer state for parameter {missing}, which "
                               "this model does not have; resume with the model it was written for") from None
     optimizer.load_state_dict({"state": {index_of[name]: values for name, values in state.items()},
                                "param_groups": groups})

@@ -1,65 +1,107 @@
-"""Checkpoints: written atomically by rank 0, verified by checksums, named `latest` only when complete.
+"""Checkpoints: written by rank 0 through the checkpoint storage layer (`dtrain.runs.storage`: a local folder or
+object storage), verified by checksums, counted only once complete, named `latest` only then.
 
-Layout of `checkpoints/step-<N>/`:
+Layout of `<root>/step-<N>/` (root: the run dir's `checkpoints/`, or the run's folder in `checkpoint_storage`):
 - `model.pt`  the model's plain state_dict (`torch.load(path, weights_only=True)` works on it);
 - `state.pt`  optimizer, LR scheduler, strategy and trainer state, and every rank's RNG states;
-- `meta.json` step, sizes and SHA-256 of the two files (written last, so its presence marks completion).
-A sharded run (FSDP) writes its model and optimizer state with torch.distributed.checkpoint, every rank its own
-shards, under `checkpoints/sharded/step-<N>/` before rank 0 writes `step-<N>/` (whose `state.pt` then names that
-directory under `sharded` and whose `model.pt` holds no weights: `dtrain export` makes a plain one).
-`checkpoints/latest` holds the name of the newest complete checkpoint. A write goes to a hidden
-`.partial-*` directory that is renamed into place, so a kill in the middle never leaves a half
-checkpoint under a real name.
+- `meta.json` step, sizes and SHA-256 of the two files: the commit marker, written last; a folder without it is
+  never read (and is deleted when a run resumes).
+A sharded run (FSDP, pipeline) writes its model and optimizer state with torch.distributed.checkpoint, every rank
+its own shards, under `<root>/sharded/step-<N>/` before rank 0 writes `step-<N>/` (whose `meta.json` and
+`state.pt` then name that folder under `sharded`, and whose `model.pt` holds no weights: `dtrain export` makes a
+plain one); DCP's `.metadata`, written last, marks the shards complete.
+`<root>/latest` holds the name of the newest complete checkpoint. On a local folder a write goes to a hidden
+`.partial-*` folder renamed into place; on object storage (no rename) the files are uploaded in place with
+`meta.json` last and an older `meta.json` of the same step deleted first, so a kill in the middle of an upload
+never leaves a checkpoint that a resume would take. Deleting one removes its `meta.json` first for the same reason.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
 import pickle
 import re
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dtrain.errors import CheckpointError
+from dtrain.runs.storage import CheckpointStore, ShardFolder
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MODEL_FILE, STATE_FILE, META_FILE, LATEST_FILE = "model.pt", "state.pt", "meta.json", "latest"
-SHARDED_DIR = "sharded"  # checkpoints/sharded/step-<N>/: the shards every rank wrote (DCP)
+SHARDED_DIR = "sharded"  # <root>/sharded/step-<N>/: the shards every rank wrote (DCP)
+DCP_MARKER = ".metadata"  # DCP writes it last: the shards' commit marker
+_STEP_NAME = re.compile(r"step-(\d+)")
 
 
 @dataclass(frozen=True)
 class CheckpointRef:
-    """A complete checkpoint on disk."""
+    """A complete checkpoint: its folder (a local Path, or a URL on object storage) and step."""
 
-    path: Path
+    path: Path | str
     step: int
+    store: CheckpointStore | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def name(self) -> str:
+        return checkpoint_name(self.step) if self.store is not None else Path(str(self.path)).name
+
+    def located(self) -> tuple[CheckpointStore, str]:
+        """The store that holds it and its name there."""
+        if self.store is not None:
+            return self.store, self.name
+        return CheckpointStore(url=str(Path(self.path).parent)), Path(self.path).name
 
     @property
     def model_path(self) -> Path:
-        return self.path / MODEL_FILE
+        """The local path of `model.pt` (a local checkpoint only; see `model_location`)."""
+        return Path(self.path) / MODEL_FILE
+
+    @property
+    def model_location(self) -> str:
+        """`model.pt` as a path or URL."""
+        store, name = self.located()
+        return store.describe(f"{name}/{MODEL_FILE}")
 
 
 def checkpoint_name(step: int) -> str:
     return f"step-{step}"
 
 
-def _sha256(path: Path) -> str:
+def as_store(root: Path | CheckpointStore) -> CheckpointStore:
+    """A checkpoints root given as a local Path or as a store."""
+    return root if isinstance(root, CheckpointStore) else CheckpointStore(url=str(root))
+
+
+def _ref(store: CheckpointStore, name: str, step: int) -> CheckpointRef:
+    if store.is_local:
+        return CheckpointRef(path=store.local_path(name), step=step, store=store)
+    return CheckpointRef(path=store.describe(name), step=step, store=store)
+
+
+def _sha256_stream(handle: Any) -> str:
     digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
+    for chunk in iter(lambda: handle.read(1 << 20), b""):
+        digest.update(chunk)
     return digest.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as handle:
+        return _sha256_stream(handle)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -77,13 +119,46 @@ def _save_file(obj: Any, path: Path) -> None:
         os.fsync(handle.fileno())
 
 
-def write_checkpoint(root: Path, step: int, model_state: dict[str, Any], state: dict[str, Any],
+def _write_meta(folder: Path, step: int, extra_meta: dict[str, Any] | None) -> None:
+    files = {name: {"sha256": _sha256(folder / name), "bytes": (folder / name).stat().st_size}
+             for name in (MODEL_FILE, STATE_FILE)}
+    meta = {"format": FORMAT_VERSION, "step": step, "created": time.time(), "files": files, **(extra_meta or {})}
+    with (folder / META_FILE).open("w") as handle:
+        json.dump(meta, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def write_checkpoint(root: Path | CheckpointStore, step: int, model_state: dict[str, Any], state: dict[str, Any],
                      extra_meta: dict[str, Any] | None = None,
                      after_model_file: Callable[[], None] | None = None) -> CheckpointRef:
     """Write a complete checkpoint for `step` and point `latest` at it; call on one rank only.
-    `after_model_file` runs between the two data files (fault injection kills the writer there)."""
+    `after_model_file` runs once `model.pt` is in place and before the rest (fault injection kills the writer
+    there: in the middle of an upload on object storage)."""
+    store = as_store(root)
+    name = checkpoint_name(step)
+    if store.is_local:
+        _write_local(store.local_path(), name, step, model_state, state, extra_meta, after_model_file)
+    else:
+        with tempfile.TemporaryDirectory(prefix="dtrain-checkpoint-") as tmp:
+            staged = Path(tmp)
+            _save_file(model_state, staged / MODEL_FILE)
+            _save_file(state, staged / STATE_FILE)
+            _write_meta(staged, step, extra_meta)
+            store.remove(f"{name}/{META_FILE}")  # an older write of this step stops counting before its files change
+            store.upload(staged / MODEL_FILE, f"{name}/{MODEL_FILE}")
+            if after_model_file is not None:
+                after_model_file()
+            store.upload(staged / STATE_FILE, f"{name}/{STATE_FILE}")
+            store.upload(staged / META_FILE, f"{name}/{META_FILE}")  # the commit
+    _point_latest(store, name)
+    return _ref(store, name, step)
+
+
+def _write_local(root: Path, name: str, step: int, model_state: dict[str, Any], state: dict[str, Any],
+                 extra_meta: dict[str, Any] | None, after_model_file: Callable[[], None] | None) -> None:
     root.mkdir(parents=True, exist_ok=True)
-    partial = root / f".partial-{checkpoint_name(step)}-{os.getpid()}"
+    partial = root / f".partial-{name}-{os.getpid()}"
     if partial.exists():
         shutil.rmtree(partial)
     partial.mkdir()
@@ -91,26 +166,22 @@ def write_checkpoint(root: Path, step: int, model_state: dict[str, Any], state: 
     if after_model_file is not None:
         after_model_file()
     _save_file(state, partial / STATE_FILE)
-    files = {name: {"sha256": _sha256(partial / name), "bytes": (partial / name).stat().st_size}
-             for name in (MODEL_FILE, STATE_FILE)}
-    meta = {"format": FORMAT_VERSION, "step": step, "created": time.time(), "files": files, **(extra_meta or {})}
-    with (partial / META_FILE).open("w") as handle:
-        json.dump(meta, handle, indent=1)
-        handle.flush()
-        os.fsync(handle.fileno())
+    _write_meta(partial, step, extra_meta)
     _fsync_dir(partial)
-    final = root / checkpoint_name(step)
+    final = root / name
     if final.exists():  # the same step written again after a restart: replace it
-        stale = root / f".stale-{checkpoint_name(step)}-{os.getpid()}"
+        stale = root / f".stale-{name}-{os.getpid()}"
         final.rename(stale)
         shutil.rmtree(stale, ignore_errors=True)
     partial.rename(final)
     _fsync_dir(root)
-    _point_latest(root, final.name)
-    return CheckpointRef(path=final, step=step)
 
 
-def _point_latest(root: Path, name: str) -> None:
+def _point_latest(store: CheckpointStore, name: str) -> None:
+    if not store.is_local:
+        store.write_bytes(LATEST_FILE, (name + "\n").encode())  # one PUT: the old name or the new one
+        return
+    root = store.local_path()
     tmp = root / f".{LATEST_FILE}.{os.getpid()}"
     tmp.write_text(name + "\n")
     with tmp.open("rb") as handle:
@@ -119,99 +190,157 @@ def _point_latest(root: Path, name: str) -> None:
     _fsync_dir(root)
 
 
-def verify_checkpoint(path: Path) -> CheckpointRef:
-    """Check that a checkpoint directory is complete and its files match their checksums."""
-    meta_path = path / META_FILE
-    if not meta_path.is_file():
-        raise CheckpointError(f"checkpoint {path} has no {META_FILE}, so it was never completed")
+def verify_checkpoint(path: Path | str, store: CheckpointStore | None = None) -> CheckpointRef:
+    """Check that a checkpoint folder (a local path, or `path` as a name under `store`) is complete and its files
+    match their checksums."""
+    if store is None:
+        store, name = CheckpointStore(url=str(Path(path).parent)), Path(path).name
+    else:
+        name = str(path)
+    shown = store.describe(name)
     try:
-        meta = json.loads(meta_path.read_bytes())
+        raw = store.read_bytes(f"{name}/{META_FILE}")
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise CheckpointError(f"checkpoint {shown} has no {META_FILE}, so it was never completed") from None
+    try:
+        meta = json.loads(raw)
         files, step = meta["files"], int(meta["step"])
-        expected = {name: (int(files[name]["bytes"]), str(files[name]["sha256"])) for name in (MODEL_FILE, STATE_FILE)}
+        expected = {file: (int(files[file]["bytes"]), str(files[file]["sha256"])) for file in (MODEL_FILE, STATE_FILE)}
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        raise CheckpointError(f"checkpoint {path}: {META_FILE} is unreadable or lacks the sizes and checksums of "
+        raise CheckpointError(f"checkpoint {shown}: {META_FILE} is unreadable or lacks the sizes and checksums of "
                               f"{MODEL_FILE} and {STATE_FILE}") from None
-    for name, (size, digest) in expected.items():
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint {path} lacks {name}")
-        if file.stat().st_size != size or _sha256(file) != digest:
-            raise CheckpointError(f"checkpoint {path}: {name} does not match its checksum (corrupt or partly written)")
-    return CheckpointRef(path=path, step=step)
+    for file, (size, digest) in expected.items():
+        if not store.exists(f"{name}/{file}"):
+            raise CheckpointError(f"checkpoint {shown} lacks {file}")
+        with store.open(f"{name}/{file}") as handle:
+            matches = store.size(f"{name}/{file}") == size and _sha256_stream(handle) == digest
+        if not matches:
+            raise CheckpointError(f"checkpoint {shown}: {file} does not match its checksum (corrupt or partly written)")
+    sharded = meta.get("sharded")
+    if isinstance(sharded, str) and not store.exists(f"{sharded}/{DCP_MARKER}"):
+        raise CheckpointError(f"checkpoint {shown} names shards in {store.describe(sharded)}, which are incomplete "
+                              f"(no {DCP_MARKER})")
+    return _ref(store, name, step)
 
 
-def list_checkpoints(root: Path) -> list[Path]:
-    """Checkpoint directories by step, oldest first (complete or not)."""
-    if not root.is_dir():
-        return []
+def checkpoint_names(root: Path | CheckpointStore) -> list[str]:
+    """Names of the checkpoint folders by step, oldest first (complete or not)."""
+    store = as_store(root)
     found = []
-    for child in root.iterdir():
-        if child.is_dir() and child.name.startswith("step-") and child.name[5:].isdigit():
-            found.append((int(child.name[5:]), child))
-    return [path for _, path in sorted(found)]
+    for entry in store.listdir():
+        match = _STEP_NAME.fullmatch(entry)
+        if match is not None and (not store.is_local or store.local_path(entry).is_dir()):
+            found.append((int(match.group(1)), entry))
+    return [entry for _, entry in sorted(found)]
 
 
-def find_resume_checkpoint(root: Path) -> CheckpointRef | None:
-    """The checkpoint named by `latest` if it verifies, else the newest one that does (with a warning)."""
-    latest_file = root / LATEST_FILE
-    if not latest_file.is_file():
+def list_checkpoints(root: Path | CheckpointStore) -> list[Path | str]:
+    """Checkpoint folders by step, oldest first (complete or not): Paths on a local folder, URLs elsewhere."""
+    store = as_store(root)
+    return [store.local_path(name) if store.is_local else store.describe(name) for name in checkpoint_names(store)]
+
+
+def read_latest_name(root: Path | CheckpointStore) -> str | None:
+    """What `latest` holds (stripped), or None when there is none."""
+    store = as_store(root)
+    try:
+        return store.read_bytes(LATEST_FILE).decode("utf-8", "replace").strip()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return None
-    name = latest_file.read_bytes().decode("utf-8", "replace").strip()
+
+
+def find_resume_checkpoint(root: Path | CheckpointStore) -> CheckpointRef | None:
+    """The checkpoint named by `latest` if it verifies, else the newest one that does (with a warning)."""
+    store = as_store(root)
+    name = read_latest_name(store)
+    if name is None:
+        return None
     problems = []
-    if re.fullmatch(r"step-\d+", name) is None:  # never a path: `latest` must not lead outside checkpoints/
-        problems.append(f"{latest_file} holds {name[:40]!r}, not a checkpoint name like step-100")
-    named = root / name if not problems else None
-    candidates = ([named] if named is not None else []) + [p for p in reversed(list_checkpoints(root)) if p != named]
+    if _STEP_NAME.fullmatch(name) is None:  # never a path: `latest` must not lead outside the checkpoints root
+        problems.append(f"{store.describe(LATEST_FILE)} holds {name[:40]!r}, not a checkpoint name like step-100")
+    named = name if not problems else None
+    candidates = ([named] if named is not None else []) + [n for n in reversed(checkpoint_names(store)) if n != named]
     for candidate in candidates:
         try:
-            ref = verify_checkpoint(candidate)
+            ref = verify_checkpoint(candidate, store)
         except CheckpointError as exc:
             problems.append(str(exc))
             continue
         if problems:
-            log.warning("%s; resuming from the previous complete checkpoint %s instead", "; ".join(problems), ref.path)
+            log.warning("%s; resuming from the previous complete checkpoint %s instead", "; ".join(problems),
+                        store.describe(candidate))
         return ref
-    raise CheckpointError(f"no usable checkpoint in {root}: {'; '.join(problems)}; move {root} away to start "
-                          "the run from scratch")
+    raise CheckpointError(f"no usable checkpoint in {store.describe()}: {'; '.join(problems)}; move "
+                          f"{store.describe()} away to start the run from scratch")
+
+
+def _torch_load(store: CheckpointStore, name: str) -> Any:
+    if store.is_local:
+        return torch.load(store.local_path(name), map_location="cpu", weights_only=True)
+    return torch.load(io.BytesIO(store.read_bytes(name)), map_location="cpu", weights_only=True)
 
 
 def load_checkpoint(ref: CheckpointRef) -> tuple[dict[str, Any], dict[str, Any]]:
     """The model state_dict and the resume state, loaded with weights_only=True."""
+    store, name = ref.located()
+    shown = store.describe(name)
     try:
-        model_state = torch.load(ref.path / MODEL_FILE, map_location="cpu", weights_only=True)
-        state = torch.load(ref.path / STATE_FILE, map_location="cpu", weights_only=True)
+        model_state = _torch_load(store, f"{name}/{MODEL_FILE}")
+        state = _torch_load(store, f"{name}/{STATE_FILE}")
     except pickle.UnpicklingError:
-        raise CheckpointError(f"checkpoint {ref.path} cannot be loaded (UnpicklingError): it holds objects other than "
+        raise CheckpointError(f"checkpoint {shown} cannot be loaded (UnpicklingError): it holds objects other than "
                               "tensors and plain containers, which torch.load(weights_only=True) refuses because "
                               "loading them could run code; it was not loaded - use checkpoints you wrote") from None
     except Exception as exc:  # the unpickler raises many kinds; all mean "not a checkpoint we can read"
         text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
-        raise CheckpointError(f"checkpoint {ref.path} cannot be loaded ({type(exc).__name__}: "
+        raise CheckpointError(f"checkpoint {shown} cannot be loaded ({type(exc).__name__}: "
                               f"{text.splitlines()[0][:200] if text else ''})") from None
     return model_state, state
 
 
-def remove_stale_partials(root: Path) -> None:
-    """Delete leftovers of writes that were killed."""
-    if root.is_dir():
-        for child in root.iterdir():
-            if child.name.startswith((".partial-", ".stale-")):
-                shutil.rmtree(child, ignore_errors=True)
+def load_state_file(ref: CheckpointRef) -> dict[str, Any]:
+    """`state.pt` alone (weights_only)."""
+    store, name = ref.located()
+    return dict(_torch_load(store, f"{name}/{STATE_FILE}"))
 
 
-def prune_checkpoints(root: Path, keep_latest: int, keep_steps: set[int]) -> None:
-    """Delete complete checkpoints except the newest `keep_latest`, the ones in `keep_steps` and `latest`."""
-    paths = list_checkpoints(root)
-    latest_file = root / LATEST_FILE
-    latest = latest_file.read_text().strip() if latest_file.is_file() else None
-    newest = {p.name for p in paths[-keep_latest:]} if keep_latest > 0 else set()
-    for path in paths:
-        if path.name in newest or path.name == latest or int(path.name[5:]) in keep_steps:
+def shard_folder(root: Path | CheckpointStore, step: int) -> ShardFolder:
+    """Where the shards of `step` go (`sharded/step-<N>`)."""
+    return ShardFolder(as_store(root), f"{SHARDED_DIR}/{checkpoint_name(step)}")
+
+
+def remove_stale_partials(root: Path | CheckpointStore) -> None:
+    """Delete leftovers of writes that were killed (on object storage: step folders without `meta.json`)."""
+    store = as_store(root)
+    if store.is_local:
+        local = store.local_path()
+        if local.is_dir():
+            for child in local.iterdir():
+                if child.name.startswith((".partial-", ".stale-")):
+                    shutil.rmtree(child, ignore_errors=True)
+        return
+    for name in checkpoint_names(store):
+        if not store.exists(f"{name}/{META_FILE}"):
+            store.remove(name, recursive=True)
+
+
+def _delete(store: CheckpointStore, name: str) -> None:
+    """A checkpoint stops counting (its marker goes first), then its files go."""
+    store.remove(f"{name}/{META_FILE}")
+    store.remove(name, recursive=True)
+
+
+def prune_checkpoints(root: Path | CheckpointStore, keep_latest: int, keep_steps: set[int]) -> None:
+    """Delete checkpoints except the newest `keep_latest`, the ones in `keep_steps` and `latest`."""
+    store = as_store(root)
+    names = checkpoint_names(store)
+    latest = read_latest_name(store)
+    newest = set(names[-keep_latest:]) if keep_latest > 0 else set()
+    for name in names:
+        if name in newest or name == latest or int(name[5:]) in keep_steps:
             continue
-        shutil.rmtree(path, ignore_errors=True)
-    kept = {path.name for path in list_checkpoints(root)}
-    sharded = root / SHARDED_DIR
-    if sharded.is_dir():  # shards whose checkpoint is gone (pruned, or never completed)
-        for path in sharded.iterdir():
-            if path.name not in kept:
-                shutil.rmtree(path, ignore_errors=True)
+        _delete(store, name)
+    kept = set(checkpoint_names(store))
+    for name in store.listdir(SHARDED_DIR):  # shards whose checkpoint is gone (pruned, or never completed)
+        if name not in kept:
+            store.remove(f"{SHARDED_DIR}/{name}", recursive=True)

@@ -1,5 +1,6 @@
 """Checkpoints in a run: when one is due and which are kept (the policy), what one holds and who writes it
-(every rank captures its part, rank 0 writes the files through `dtrain.train.checkpoint`), and resuming.
+(every rank captures its part, rank 0 writes the files through `dtrain.train.checkpoint`), and resuming. The
+checkpoints' root is a `CheckpointStore` (dtrain.runs.storage): a local folder or object storage alike.
 
 What a strategy's model and optimizer state look like in a checkpoint is its own business when it implements
 the OwnsCheckpointState extension (sharded parameters); `PlainCheckpointState` is the default.
@@ -8,11 +9,9 @@ the OwnsCheckpointState extension (sharded parameters); `PlainCheckpointState` i
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +19,7 @@ import torch
 from dtrain.comm import Topology, all_gather_object, barrier, broadcast_object
 from dtrain.config import ExperimentConfig
 from dtrain.errors import CheckpointError
+from dtrain.runs.storage import CheckpointStore, ShardFolder, with_secrets
 from dtrain.sync import OwnsCheckpointState, SyncStrategy, WritesShardedCheckpoint
 from dtrain.train import checkpoint as ckpt
 from dtrain.train.callbacks import StepCallbacks
@@ -45,7 +45,16 @@ class Checkpoint:
         return dict(self.state.get("strategy", {}))
 
 
-def read_checkpoint(root: Path, topology: Topology) -> Checkpoint | None:
+def agreed_store(recorded: CheckpointStore, topology: Topology) -> CheckpointStore:
+    """Rank 0's checkpoint store on every rank (each node records its own in its run dir), with the credentials the
+    launcher put in the environment (a collective)."""
+    data = recorded.to_json()
+    if topology.is_distributed:
+        data = broadcast_object(data)
+    return with_secrets(CheckpointStore.from_json(data))
+
+
+def read_checkpoint(root: CheckpointStore, topology: Topology) -> Checkpoint | None:
     """The latest complete checkpoint under `root`, read by rank 0 and broadcast to the others; None if none."""
     payload = None
     if topology.is_chief:
@@ -89,7 +98,7 @@ def checkpoint_state_of(strategy: SyncStrategy) -> OwnsCheckpointState:
     return strategy if isinstance(strategy, OwnsCheckpointState) else PlainCheckpointState(strategy)
 
 
-def resume(checkpoint: Checkpoint, root: Path, owner: OwnsCheckpointState, optimization: Optimization,
+def resume(checkpoint: Checkpoint, root: CheckpointStore, owner: OwnsCheckpointState, optimization: Optimization,
            rank: int) -> TrainerState:
     """Load a checkpoint's model, optimizer, schedules and this rank's RNG state (the strategy's own state was
     loaded before it wrapped the model); return the trainer state it carries, counting this resume."""
@@ -97,15 +106,15 @@ def resume(checkpoint: Checkpoint, root: Path, owner: OwnsCheckpointState, optim
     try:
         if sharded is not None:  # every rank reads its own shards
             if not isinstance(owner, WritesShardedCheckpoint):
-                raise CheckpointError(f"checkpoint step-{checkpoint.step} in {root} holds sharded state (written by "
-                                      "strategy fsdp or pipeline); resume it with the strategy that wrote it, or "
-                                      "make a plain model.pt with `dtrain export` and start a new run from it")
-            owner.load_sharded(root / sharded, optimization.optimizer)
+                raise CheckpointError(f"checkpoint step-{checkpoint.step} in {root.describe()} holds sharded state "
+                                      "(written by strategy fsdp or pipeline); resume it with the strategy that wrote "
+                                      "it, or make a plain model.pt with `dtrain export` and start a new run from it")
+            owner.load_sharded(ShardFolder(root, str(sharded)), optimization.optimizer)
         else:
             owner.load_model_state_dict(checkpoint.model_state)
     except RuntimeError as exc:
-        raise CheckpointError(f"checkpoint step-{checkpoint.step} in {root} does not fit this Trial's model ("
-                              f"{' '.join(str(exc).split())[:300]}); resume with the model it was written "
+        raise CheckpointError(f"checkpoint step-{checkpoint.step} in {root.describe()} does not fit this Trial's "
+                              f"model ({' '.join(str(exc).split())[:300]}); resume with the model it was written "
                               "for, or give a new --run-dir") from None
     if sharded is None:
         owner.load_optimizer_state_dict(optimization.optimizer, checkpoint.state["optimizer"])
@@ -154,7 +163,7 @@ class CheckpointPolicy:
 class Checkpointer:
     """Writes the run's checkpoints (all ranks call `write` together) and remembers the latest one."""
 
-    def __init__(self, root: Path, topology: Topology, owner: OwnsCheckpointState, policy: CheckpointPolicy,
+    def __init__(self, root: CheckpointStore, topology: Topology, owner: OwnsCheckpointState, policy: CheckpointPolicy,
                  callbacks: StepCallbacks) -> None:
         self.root = root
         self.topology = topology
@@ -173,14 +182,15 @@ class Checkpointer:
             state.checkpoint_metrics[step] = metric
         sharded: dict[str, str] = {}
         if isinstance(strategy, WritesShardedCheckpoint):  # every rank its shards; the files below hold no weights
-            name = f"{ckpt.SHARDED_DIR}/{ckpt.checkpoint_name(step)}"
-            if self.topology.is_chief and (self.root / name).exists():
-                shutil.rmtree(self.root / name)  # the same step written again after a restart
+            folder = ckpt.shard_folder(self.root, step)
+            if self.topology.is_chief:  # the same step written again after a restart: it stops counting first
+                self.root.remove(f"{ckpt.checkpoint_name(step)}/{ckpt.META_FILE}")
+                self.root.remove(folder.name, recursive=True)
             barrier()
-            strategy.save_sharded(self.root / name, optimization.optimizer)
+            strategy.save_sharded(folder, optimization.optimizer)
             model_state: dict[str, Any] = {}
             optimizer_state: dict[str, Any] = {}
-            sharded = {"sharded": name}
+            sharded = {"sharded": folder.name}
         else:
             model_state = self.owner.model_state_dict()
             optimizer_state = self.owner.optimizer_state_dict(optimization.optimizer)
@@ -190,7 +200,7 @@ class Checkpointer:
         contents = {"optimizer": optimizer_state, **optimization.schedule_state(), "strategy": strategy.state_dict(),
                     "trainer": state.to_dict(), "rng": rng_states, "trial": trial_state or {}, **sharded}
         ref = ckpt.write_checkpoint(self.root, step, model_state, contents,
-                                    extra_meta={"world_size": self.topology.world_size, "epoch": epoch},
+                                    extra_meta={"world_size": self.topology.world_size, "epoch": epoch, **sharded},
                                     after_model_file=lambda: self.callbacks.during_checkpoint(step))
         self.latest = ref
         ckpt.prune_checkpoints(self.root, self.policy.keep_latest, self.policy.best_steps(state.checkpoint_metrics))

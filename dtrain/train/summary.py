@@ -36,7 +36,7 @@ def run_summary(*, status: str, topology: Topology, sizes: BatchSizes, state: Tr
         "wall_seconds": state.wall_seconds,
         "validation": history[-1]["metrics"] if history else {},
         "validation_history": history,
-        "checkpoint": str(checkpoint.model_path) if checkpoint is not None else None,
+        "checkpoint": checkpoint.model_location if checkpoint is not None else None,
         "restarts": topology.restart_count,
         "resumes": state.resumes,
         "nan_steps_skipped": state.nan_steps_skipped,

@@ -55,6 +55,7 @@ from dtrain.train.checkpointing import (
     Checkpoint,
     Checkpointer,
     CheckpointPolicy,
+    agreed_store,
     checkpoint_state_of,
     read_checkpoint,
     resume,
@@ -147,7 +148,8 @@ class Trainer:
         self.strategy: SyncStrategy = build_strategy(config, topology)
         self.model = self._build_model()
         self.profiler = self._build_profiler()
-        checkpoint = read_checkpoint(self.run_dir / "checkpoints", topology)
+        self.checkpoints = agreed_store(run_info.checkpoints, topology)
+        checkpoint = read_checkpoint(self.checkpoints, topology)
         if checkpoint is not None:  # before wrapping: the strategy's state may decide how it wraps (bucket size)
             self.strategy.load_state_dict(checkpoint.strategy_state)
         self.wrapped = self.strategy.wrap_model(self.model)
@@ -199,7 +201,7 @@ class Trainer:
         self.evaluator = Evaluator(self.val_data, self.trial, topology, channels_last=self.channels_last,
                                    lockstep=forward_is_collective(self.strategy),
                                    stages=self.strategy if isinstance(self.strategy, EvaluatesInStages) else None)
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", topology, self.checkpoint_state,
+        self.checkpointer = Checkpointer(self.checkpoints, topology, self.checkpoint_state,
                                          CheckpointPolicy(config, self.schedule, self.searcher), self.callbacks)
         self.stalls = StallWatch(topology, config.distributed, self.profiler.timer)
         self.faults.release = self.stalls.abort  # an injected hang ends when the run gives up on it
@@ -254,7 +256,7 @@ class Trainer:
         return setup_allgather(2, "auto", what="the update guard's exchange")
 
     def _resume(self, checkpoint: Checkpoint) -> TrainerState:
-        return resume(checkpoint, self.run_dir / "checkpoints", self.checkpoint_state, self.optimization,
+        return resume(checkpoint, self.checkpoints, self.checkpoint_state, self.optimization,
                       self.topology.rank)
 
     def _start(self) -> TrainerState:

@@ -149,8 +149,9 @@ class Trial:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """When a run resumes, after the model and optimizer, with the checkpoint's `state_dict()`."""
 
-    def checkpoint_written(self, path: Path | None) -> None:
-        """After each checkpoint: its directory on rank 0, None on the other ranks."""
+    def checkpoint_written(self, path: Path | str | None) -> None:
+        """After each checkpoint: its directory on rank 0 (a local Path, or its URL when `checkpoint_storage` is object
+        storage), None on the other ranks."""
 
     def training_ended(self, status: str) -> None:
         """When training ends (not after a crash), with the run's status."""
