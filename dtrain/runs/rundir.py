@@ -53,7 +53,8 @@ class RunInfo:
     def to_json(self) -> dict[str, Any]:
         return {"experiment_id": self.experiment_id, "trial_id": self.trial_id,
                 "store": str(self.store) if self.store else None, "config_dir": str(self.config_dir),
-                "checkpoints": self.checkpoints.to_json()}
+                "checkpoints": None if self.checkpoints.url == own_checkpoints(self.run_dir).url
+                else self.checkpoints.to_json()}  # the run dir's own: found again where the run dir is now
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:
@@ -158,6 +159,11 @@ def _checkpoints_of(ids: dict[str, Any], run_dir: Path) -> CheckpointStore:
     recorded = ids.get("checkpoints")
     if isinstance(recorded, dict) and recorded.get("url"):
         return CheckpointStore.from_json(recorded)
+    return own_checkpoints(run_dir)
+
+
+def own_checkpoints(run_dir: Path) -> CheckpointStore:
+    """The run dir's `checkpoints/` (the default storage)."""
     return CheckpointStore(url=str((run_dir / "checkpoints").resolve()))
 
 

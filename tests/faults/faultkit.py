@@ -37,6 +37,13 @@ def final_model(run_dir: Path) -> bytes:
     return Path(found["checkpoint"]).read_bytes()
 
 
+def uninterrupted_model(root: Path) -> bytes:
+    """The final model of digits.yaml run to its end without a fault in `root` (the reference of the crash tests)."""
+    result = dtrain("run", CONFIG, "--run-dir", root / "run", env={"DTRAIN_RUNS_ROOT": str(root / "runs")})
+    assert result.returncode == 0, result.stderr
+    return final_model(root / "run")
+
+
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("dtrain: error:")]
 

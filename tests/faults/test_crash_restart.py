@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from faultkit import CONFIG, dtrain, error_lines, fault_records, final_model, summary
+from faultkit import CONFIG, dtrain, error_lines, fault_records, final_model, summary, uninterrupted_model
 
 from dtrain.train import checkpoint as ckpt
 
@@ -20,10 +20,7 @@ pytestmark = pytest.mark.slow  # workers are killed and restarted, several runs 
 
 @pytest.fixture(scope="module")
 def clean_model(tmp_path_factory: pytest.TempPathFactory) -> bytes:
-    root = tmp_path_factory.mktemp("clean")
-    result = dtrain("run", CONFIG, "--run-dir", root / "run", env={"DTRAIN_RUNS_ROOT": str(root / "runs")})
-    assert result.returncode == 0, result.stderr
-    return final_model(root / "run")
+    return uninterrupted_model(tmp_path_factory.mktemp("clean"))
 
 
 # Five crashes in two runs (a restart costs a few seconds of worker start-up, a run more): each kill is

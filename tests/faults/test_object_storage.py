@@ -17,7 +17,16 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from faultkit import CONFIG, FIXTURES, dtrain, error_lines, fault_records, final_model, summary
+from faultkit import (
+    CONFIG,
+    FIXTURES,
+    dtrain,
+    error_lines,
+    fault_records,
+    final_model,
+    summary,
+    uninterrupted_model,
+)
 from s3kit import KEY, SECRET, client_env, filesystem, free_port, make_bucket, missing_packages, moto_server
 
 pytestmark = pytest.mark.skipif(missing_packages() is not None, reason=str(missing_packages()))
@@ -84,10 +93,7 @@ def _bucket_steps(endpoint: str, url: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def clean_model(tmp_path_factory: pytest.TempPathFactory) -> bytes:
-    root = tmp_path_factory.mktemp("clean")
-    result = dtrain("run", CONFIG, "--run-dir", root / "run", env={"DTRAIN_RUNS_ROOT": str(root / "runs")})
-    assert result.returncode == 0, result.stderr
-    return final_model(root / "run")
+    return uninterrupted_model(tmp_path_factory.mktemp("clean"))
 
 
 def test_s3_run_killed_in_an_upload_and_between_checkpoints_ends_bitwise_identical(
@@ -159,3 +165,41 @@ def test_bad_storage_is_one_line_before_any_worker_starts(case: str, endpoint: s
     assert BAD_STORAGE[case] in line, line
     assert "Traceback" not in result.stderr and SECRET not in result.stderr
     assert not run_dir.exists()  # nothing started, nothing written
+
+
+def _search(tmp_path: Path, name: str, storage: dict[str, Any] | None, *settings: str,
+            env: dict[str, str] | None = None) -> Path:
+    """The digits search (2 trials, 20 batches, a checkpoint every 10) to its end; its search dir."""
+    raw = yaml.safe_load((FIXTURES / "digits_search.yaml").read_text())
+    raw["entrypoint"] = f"{FIXTURES / 'digits_trial.py'}:DigitsTrial"
+    raw["searcher"]["max_trials"] = 2
+    if storage is not None:
+        raw["checkpoint_storage"] = storage
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    search_dir = tmp_path / name
+    overrides = [arg for setting in settings for arg in ("--set", setting)]
+    result = dtrain("run", config, "--slots", "2", "--search-dir", search_dir, *overrides,
+                    env={"DTRAIN_RUNS_ROOT": str(tmp_path / f"{name}-runs"), **(env or {})}, timeout=RUN_TIMEOUT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "2 of 2 trials completed" in result.stdout
+    return search_dir
+
+
+def test_a_search_s_trials_checkpoint_to_s3_and_resume_from_there(endpoint: str, tmp_path: Path) -> None:
+    clean = _search(tmp_path, "clean", None)
+    storage = {"type": "s3", "bucket": BUCKET, "prefix": "searches", "endpoint_url": endpoint}
+    # every trial is killed once between its checkpoints (batch 15) and resumes from step-10 in the bucket; the
+    # credentials come from the usual AWS environment
+    s3 = _search(tmp_path, "s3", storage, "faults.kills=[{rank: 0, batch: 15}]", "max_restarts=1",
+                 env=client_env(endpoint))
+    fs = filesystem(endpoint)
+    for number in (0, 1):
+        trial = s3 / f"trial-{number}"
+        assert "resumed from checkpoint step-10" in (trial / "logs" / "rank-0.log").read_text()
+        assert not (trial / "checkpoints").exists()
+        url = summary(trial)["checkpoint"]
+        assert url.startswith(f"s3://{BUCKET}/searches/digits_search-") and url.endswith("/step-20/model.pt")
+        assert fs.cat(url.removeprefix("s3://")) == final_model(clean / f"trial-{number}")
+    results = json.loads((s3 / "results.json").read_text())
+    assert all(trial["checkpoint"].startswith(f"s3://{BUCKET}/") for trial in results["trials"])
