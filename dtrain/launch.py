@@ -4,7 +4,9 @@ On one machine the rendezvous runs on 127.0.0.1 with a free port. Across machine
 `dtrain run` with `--nnodes`, its `--node-rank` and the chief's `--master-addr/--master-port`, or with a
 shared `--rdzv-endpoint` (no node ranks needed); both use torch's c10d rendezvous (`dtrain.comm.rendezvous`).
 After a failure on any node every node's agent restarts its workers together, up to `max_restarts` times;
-they resume from the latest checkpoint.
+they resume from the latest checkpoint. A failure that a restart cannot mend ends the run at once instead
+(`StopOnUserError`): a worker's user error (exit code 2 or 4, `fatal-error.json`), which includes an exception
+in user code met again at the same batch after a restart (`runs/repeats.py`).
 """
 
 from __future__ import annotations
@@ -13,14 +15,18 @@ import logging
 import os
 import sys
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dtrain.comm.topology import JOB_STORE_ENV, bind_loopback
 from dtrain.config import ExperimentConfig
 from dtrain.errors import ExitCode, LaunchError
 from dtrain.runs.fatal import FATAL_FILE, read_fatal
 from dtrain.runs.processes import threads_per_process
+from dtrain.runs.repeats import recorded
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,7 @@ class LaunchResult:
     exit_code: ExitCode
     message: str | None = None
     chief: bool = True
+    traceback: str | None = None  # the user's frames of an exception in user code, printed before the message
 
 
 def ran_rank_zero(returned: object) -> bool:
@@ -134,10 +141,10 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs, max_restarts=config.max_restarts,
         monitor_interval=0.2, local_addr=local_addr,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "agent")))
-    _quiet_torch_elastic_loggers()
     args = ("-u", "-m", "dtrain.worker", "--run-dir", str(run_dir))
     try:
-        returned = elastic_launch(launch_config, entrypoint=sys.executable)(*args)
+        with _agent_lines_to(run_dir / "logs" / "agent.log"), _stopping_on_user_errors(run_dir, run_id):
+            returned = elastic_launch(launch_config, entrypoint=sys.executable)(*args)
     except (SignalException, KeyboardInterrupt) as exc:
         signal_name = getattr(getattr(exc, "sigval", None), "name", "SIGINT")
         kept = _latest_checkpoint(run_dir)
@@ -149,9 +156,12 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
         fatal = read_fatal(run_dir, run_id)
         if fatal is not None:
             code = fatal.get("exit_code", ExitCode.USER_ERROR)
+            shown = fatal.get("traceback")
             return LaunchResult(ExitCode.INVALID_HP if code == ExitCode.INVALID_HP else ExitCode.USER_ERROR,
-                                str(fatal["message"]))
-        return LaunchResult(ExitCode.FAILED, _describe_failure(exc, run_dir))
+                                str(fatal["message"]), traceback=str(shown) if shown else None)
+        raised = recorded(run_dir, run_id, config.max_restarts) if config.max_restarts >= 0 else []
+        return LaunchResult(ExitCode.FAILED, _describe_failure(exc, run_dir),
+                            traceback=raised[0].traceback if raised else None)
     return LaunchResult(ExitCode.OK, chief=ran_rank_zero(returned))
 
 
@@ -191,12 +201,99 @@ def _cluster_rendezvous(node: NodeSpec) -> tuple[str, str, dict[str, object], st
     return register(), f"{node.master_addr}:{node.master_port}", configs, local_address(node.master_addr, chosen)
 
 
+_AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
+
+
 def _quiet_torch_elastic_loggers() -> None:
     """The agent's own INFO/WARNING lines (e.g. "Received 2 death signal") would repeat what dtrain says."""
     for name, logger in list(logging.Logger.manager.loggerDict.items()):
-        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")) and isinstance(
-                logger, logging.Logger):
+        if name.startswith(_AGENT_LOGGERS) and isinstance(logger, logging.Logger):
             logger.setLevel(logging.ERROR)
+
+
+@contextmanager
+def _agent_lines_to(log: Path) -> Iterator[None]:
+    """The elastic agent's lines (`failed (exitcode: 2) local_rank: 0 ...`, its error summary, its restarts) go to
+    the run's `logs/agent.log`, not the console: dtrain says what happened in its own words."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(log)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    loggers = [logging.getLogger(name) for name in _AGENT_LOGGERS]
+    children = [logger for name, logger in list(logging.Logger.manager.loggerDict.items())
+                if name.startswith(_AGENT_LOGGERS) and isinstance(logger, logging.Logger)]
+    before = [(logger, logger.level, logger.propagate) for logger in loggers + children]
+    for logger in children:  # torch's get_logger() gives each module a level of its own (WARNING)
+        logger.setLevel(logging.NOTSET)
+    for logger in loggers:
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+        logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+        for logger, level, propagate in before:
+            logger.setLevel(level)
+            logger.propagate = propagate
+        handler.close()
+
+
+@contextmanager
+def _stopping_on_user_errors(run_dir: Path, run_id: str) -> Iterator[None]:
+    """Have `elastic_launch` use `StopOnUserError` as its agent (it builds torch's LocalElasticAgent by that name
+    in torch.distributed.launcher.api; pinned by tests/unit/test_torch_private_api.py)."""
+    from torch.distributed.launcher import api
+
+    original = api.LocalElasticAgent
+    api.LocalElasticAgent = _stop_on_user_error_class(original, run_dir, run_id)  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        api.LocalElasticAgent = original  # type: ignore[misc]
+
+
+def is_user_error(run_dir: Path, run_id: str, exit_codes: list[int]) -> bool:
+    """Whether a failure of the workers is one a restart cannot mend: a worker of this launch recorded a user
+    error (`fatal-error.json`), or exited with dtrain's code for one (2, or 4 for InvalidHP)."""
+    return read_fatal(run_dir, run_id) is not None or any(
+        code in (ExitCode.USER_ERROR, ExitCode.INVALID_HP) for code in exit_codes)
+
+
+def _stop_on_user_error_class(base: type, run_dir: Path, run_id: str) -> type:
+    """torchrun's local agent, except that a user error ends the run instead of a restart: after each look at the
+    workers that finds them failed, no restarts are left when `is_user_error` (torch's own agent does the same
+    for a worker stuck in the kernel). Before a restart after an exception in user code it says which."""
+    from torch.distributed.elastic.agent.server.api import WorkerState
+
+    class StopOnUserError(base):  # type: ignore[valid-type, misc]
+        _remaining_restarts: int  # torch's agent sets it to max_restarts and counts it down
+
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            result = super()._monitor_workers(worker_group)
+            if result.state not in (WorkerState.FAILED, WorkerState.UNHEALTHY) or self._remaining_restarts <= 0:
+                return result
+            codes = [failure.exitcode for failure in (result.failures or {}).values()]
+            if is_user_error(run_dir, run_id, codes):
+                self._remaining_restarts = 0
+            else:
+                limit = worker_group.spec.max_restarts
+                _announce_restart(run_dir, run_id, limit - self._remaining_restarts, limit)
+            return result
+
+    return StopOnUserError
+
+
+def _announce_restart(run_dir: Path, run_id: str, attempt: int, limit: int) -> None:
+    """One line per distinct exception in user code that failed attempt `attempt` (a crash or a lost peer says
+    nothing here: the workers say it)."""
+    shown: list[Any] = []
+    for found in recorded(run_dir, run_id, attempt):
+        if not any(found.same_as(seen) for seen in shown):
+            shown.append(found)
+            print(f"dtrain: rank {found.rank}: {found.describe()}; restarting the workers from the latest checkpoint "
+                  f"(restart {attempt + 1} of {limit}; traceback in {run_dir / 'logs' / f'rank-{found.rank}.log'})",
+                  file=sys.stderr, flush=True)
 
 
 def _loopback_rendezvous(port: int | None, keep_alive: list[object]) -> str:

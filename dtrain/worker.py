@@ -3,9 +3,10 @@
 `dtrain run` starts one per slot through torchrun's elastic agent, after it has prepared DIR. The same
 entry also runs under a plain `torchrun ... -m dtrain.worker CONFIG --run-dir DIR` or under Slurm's
 `srun`; then it prepares DIR itself (local rank 0 of each node). A user error (bad data, a broken Trial)
-is written to DIR/fatal-error.json and exits with code 2, so that the agent's restarts end at once
-instead of repeating it; any other failure exits non-zero and the agent restarts the workers, which
-resume from the latest checkpoint.
+is written to DIR/fatal-error.json and exits with code 2, so that the run ends at once instead of
+repeating it. An exception in user code is recorded (`runs/repeats.py`) and exits with code 1: the agent
+restarts the workers, which resume from the latest checkpoint, unless the attempt before met the same
+exception at the same batch; then it is a user error too. A lost peer exits with code 1 and is restarted.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ import argparse
 import logging
 import os
 import sys
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dtrain.errors import DtrainError, ExitCode, LaunchError, StallError
-from dtrain.runs.fatal import read_fatal, write_fatal
+from dtrain.runs.fatal import launch_id, read_fatal, write_fatal
+from dtrain.runs.repeats import describe_exception, record_exception, recorded
 
 if TYPE_CHECKING:
     from dtrain.sync import StrategySpec
@@ -68,8 +72,9 @@ def _threads_per_worker(local_world_size: int) -> int:
     return threads_per_process(local_world_size, os.environ)
 
 
-def run_worker(args: argparse.Namespace) -> int:
-    """Prepare this process, train, and return the exit code."""
+def run_worker(args: argparse.Namespace, progress: _Progress | None = None) -> int:
+    """Prepare this process, train, and return the exit code (`progress` learns the Trainer, to say where an
+    exception in user code was raised)."""
     import torch
 
     from dtrain.comm import barrier, init_distributed, read_launch_env
@@ -129,6 +134,8 @@ def run_worker(args: argparse.Namespace) -> int:
     runner = getattr(trial_class, "dtrain_runner", Trainer)
     trainer = runner(config=config, trial_class=trial_class, topology=topology, run_info=run_info,
                      stop_advisor=_search_advisor(run_dir))
+    if progress is not None:
+        progress.trainer = trainer
     trainer.fit()
     barrier()
     return ExitCode.INTERRUPTED if trainer.status == "interrupted" else ExitCode.OK
@@ -149,6 +156,68 @@ def _lost_a_peer(exc: BaseException) -> bool:
     return classify_failure(exc) is Failure.LOST_PEER
 
 
+def _rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+@dataclass
+class _Progress:
+    """The running Trainer, if any: how far training got when an exception was raised."""
+
+    trainer: Any = None
+    in_user_code: bool = False  # the worker failed with a user error or an exception in user code
+
+    def batches_done(self) -> int | None:
+        state = getattr(self.trainer, "state", None)
+        return getattr(state, "steps_completed", None)
+
+
+def _attempt() -> int:
+    """This worker's attempt: the elastic agent's restart count (0 when no agent started it)."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return int(count) if count.isdigit() else 0
+
+
+def _peer_gone(run_dir: Path | None, exc: BaseException) -> int:
+    """Another worker died and a collective noticed: say so (unless that worker recorded why), and exit FAILED so
+    that the launcher restarts everyone from the latest checkpoint."""
+    logging.getLogger("dtrain").error("a collective failed: another worker is gone", exc_info=True,
+                                      extra={"console": False})
+    explained = run_dir is not None and (read_fatal(run_dir) is not None or recorded(run_dir, launch_id(), _attempt()))
+    if not explained:
+        print(f"dtrain: rank {os.environ.get('RANK', '?')}: another worker is gone ({_first_line(exc)}); "
+              "stopping so that the workers can be restarted from the latest checkpoint", file=sys.stderr, flush=True)
+    return ExitCode.FAILED
+
+
+def _user_exception(run_dir: Path | None, exc: Exception, batches_done: int | None) -> int:
+    """An exception in user code (or in dtrain: a bug): its whole traceback goes to the rank's log, and a record
+    of it to the run dir. The first time it exits FAILED, so that the launcher restarts the workers; when the
+    attempt before met the same exception at the same batch, a restart cannot help: it is recorded as the run's
+    fatal error (exit code 2) with the user's frames of its traceback."""
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    rank = _rank()
+    found = describe_exception(exc, rank=rank, attempt=_attempt(), batches_done=batches_done)
+    get_error_handler().record_exception(exc)  # torch's error file, as an uncaught exception would write it
+    if run_dir is None or not run_dir.is_dir():
+        traceback.print_exception(exc)
+        return ExitCode.FAILED
+    log = run_dir / "logs" / f"rank-{rank}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as handle:
+        handle.write(f"exception in attempt {found.attempt}: {found.describe()}\n"
+                     + "".join(traceback.format_exception(exc)))
+    earlier = record_exception(run_dir, found)
+    if earlier is not None:
+        write_fatal(run_dir, f"{found.describe()}, again after a restart from the latest checkpoint: restarting "
+                    f"cannot get past it; fix the code (full traceback: {log})", rank, ExitCode.USER_ERROR,
+                    traceback=found.traceback)
+    if "DTRAIN_LAUNCHER" not in os.environ:  # plain torchrun or srun: the traceback, as Python would print it
+        traceback.print_exception(exc)
+    return ExitCode.USER_ERROR if earlier is not None else ExitCode.FAILED
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return text.split("] ", 1)[-1][:160]
@@ -167,7 +236,10 @@ def _serve(run_dir: Path, config: Any, topology: Any, config_dir: Path, spec: St
     return ExitCode.OK
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, quick_exit: bool = False) -> int:
+    """Run one worker and return its exit code; with `quick_exit` (a worker process of its own) a worker that
+    ends the run with a user error, or fails in user code, leaves at once (`os._exit`): tearing down the
+    interpreter with torch in it takes seconds on a busy host, which the agent would wait for."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.run_dir is None and (args.config is None or "SLURM_JOB_ID" not in os.environ):
@@ -178,23 +250,15 @@ def main(argv: list[str] | None = None) -> int:
         return code if isinstance(code, int) else ExitCode.USER_ERROR
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    progress = _Progress()
+
     @record
     def guarded() -> int:
         try:
-            return run_worker(args)
+            return run_worker(args, progress)
         except KeyboardInterrupt:  # Ctrl-C or the agent stopping us: the launcher reports it, no traceback
             logging.getLogger("dtrain").warning("interrupted", extra={"console": False})
             return ExitCode.INTERRUPTED
-        except RuntimeError as exc:
-            if not _lost_a_peer(exc):
-                raise
-            # a worker died (crash, kill, lost node) and a collective noticed: the launcher restarts everyone
-            logging.getLogger("dtrain").error("a collective failed: another worker is gone", exc_info=True,
-                                              extra={"console": False})
-            print(f"dtrain: rank {os.environ.get('RANK', '?')}: another worker is gone ({_first_line(exc)}); "
-                  "stopping so that the workers can be restarted from the latest checkpoint", file=sys.stderr,
-                  flush=True)
-            return ExitCode.FAILED
         except StallError as exc:
             # a rank stopped answering: like a lost worker, a restart from the latest checkpoint may get past it
             logging.getLogger("dtrain").error("%s", exc, extra={"console": False})
@@ -202,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
             return ExitCode.FAILED
         except DtrainError as exc:
-            rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+            progress.in_user_code = True
+            rank = _rank()
             if logging.getLogger().handlers:  # not before the log is set up: logging's last resort would print it
                 logging.getLogger("dtrain").error("%s", exc, extra={"console": False})
             if args.run_dir is not None and args.run_dir.is_dir():
@@ -210,13 +275,23 @@ def main(argv: list[str] | None = None) -> int:
             if "DTRAIN_LAUNCHER" not in os.environ:  # `dtrain run` prints it from fatal-error.json itself
                 print(f"dtrain: error: {exc}", file=sys.stderr, flush=True)
             return exc.exit_code
+        except Exception as exc:
+            if _lost_a_peer(exc):  # a worker died (crash, kill, lost node) and a collective noticed
+                return _peer_gone(args.run_dir, exc)
+            progress.in_user_code = True
+            return _user_exception(args.run_dir, exc, progress.batches_done())
 
     code = int(guarded() or ExitCode.OK)
     from dtrain.comm import shutdown_distributed
 
     shutdown_distributed()
+    if quick_exit and progress.in_user_code:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(quick_exit=True))

@@ -122,6 +122,8 @@ def run_experiment(args: argparse.Namespace) -> int:
         _requeue_if_preempted(info.run_dir, os.environ)
     summary = read_summary(info.run_dir) or {}
     if result.exit_code != ExitCode.OK:
+        if result.traceback:  # an exception in user code: its user frames, once, above the one line
+            print(result.traceback, file=sys.stderr)
         print(f"dtrain: error: {result.message}", file=sys.stderr)
         status = {ExitCode.INTERRUPTED: "interrupted", ExitCode.INVALID_HP: "invalid"}.get(result.exit_code, "failed")
         summary = {**summary, "status": status, "error": result.message}

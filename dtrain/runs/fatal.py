@@ -1,10 +1,11 @@
 """The fatal-error file: how a worker tells the launcher that a run failed through the user's fault.
 
-A worker that meets a user error (bad data, a broken Trial) writes `fatal-error.json` into the run dir and
-exits with `ExitCode.USER_ERROR` (`INVALID_HP` when the Trial rejected its hyperparameters). The launcher
-reads it to print that one line instead of a crash report, and a restarted worker that finds it fails at once
-instead of repeating the error. The record names the launch (torchrun's run id, Slurm's job id) so that an
-old record never stops a new launch.
+A worker that meets a user error (bad data, a broken Trial, an exception in the Trial's code that came back
+after a restart: `runs/repeats.py`) writes `fatal-error.json` into the run dir and exits with
+`ExitCode.USER_ERROR` (`INVALID_HP` when the Trial rejected its hyperparameters). The launcher's agent then
+ends the run without a restart and prints that one line instead of a crash report; a worker restarted by
+another launcher (plain torchrun) that finds it fails at once instead of repeating the error. The record
+names the launch (torchrun's run id, Slurm's job id) so that an old record never stops a new launch.
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ def read_fatal(run_dir: Path, launch: str | None = None) -> dict[str, object] | 
     return record if record.get("launch") == (launch or launch_id()) else None
 
 
-def write_fatal(run_dir: Path, message: str, rank: int, exit_code: int = 2) -> None:
+def write_fatal(run_dir: Path, message: str, rank: int, exit_code: int = 2, traceback: str | None = None) -> None:
     """Record a user error of this launch (and the exit code it ends the run with: 2, or 4 for a Trial's
-    InvalidHP); the first rank to record one keeps it."""
+    InvalidHP; for an exception in user code, the user's frames of its traceback); the first rank to record one
+    keeps it."""
     path = run_dir / FATAL_FILE
     tmp = path.with_name(f".{FATAL_FILE}.{os.getpid()}")
-    tmp.write_text(json.dumps({"launch": launch_id(), "rank": rank, "message": message, "exit_code": int(exit_code)}))
+    record = {"launch": launch_id(), "rank": rank, "message": message, "exit_code": int(exit_code)}
+    tmp.write_text(json.dumps({**record, "traceback": traceback} if traceback else record))
     if not path.exists() or read_fatal(run_dir) is None:
         tmp.replace(path)
     else:

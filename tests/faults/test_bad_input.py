@@ -5,7 +5,8 @@ every file that existed before unchanged.
 Config and command-line cases run `dtrain.cli.main` in this process (they fail before any worker starts;
 a case that reached the launcher would fail the test). Data and checkpoint cases run `dtrain.worker.main`
 in this process as a one-worker run, the same code `dtrain run` starts in each worker; one checkpoint case
-goes through a whole `dtrain run`.
+goes through a whole `dtrain run`. Errors that only running workers meet (corpus/worker_error_trial.py) go
+through a whole `dtrain run` with restarts allowed: each must end it without the restarts that cannot help.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import json
 import shutil
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from faultkit import CONFIG, FIXTURES, dtrain, error_lines
+from faultkit import CONFIG, FIXTURES, dtrain, error_lines, summary
 
 from dtrain import cli, worker
 from dtrain.train import checkpoint as ckpt
@@ -303,3 +305,71 @@ def test_corrupt_checkpoint_through_dtrain_run(tmp_path: Path) -> None:
     assert_one_clear_error(result.returncode, result.stderr, "no usable checkpoint in")
     assert snapshot(run_dir / "checkpoints") == before
     assert "restart" not in (run_dir / "logs" / "rank-0.log").read_text().lower()
+
+
+# ------------------------------------------------------------------------ errors found inside the workers
+
+WORKER_TRIALS = CORPUS / "worker_error_trial.py"
+
+
+@dataclass(frozen=True)
+class WorkerCase:
+    """An error that only a running worker meets, run through a whole `dtrain run` with restarts allowed."""
+
+    trial: str  # a class of corpus/worker_error_trial.py
+    settings: tuple[str, ...]  # --set key=value, {tmp} filled in
+    expected: str  # in the one error line
+    starts: int  # worker starts: 1 for an error dtrain names, 2 for an exception in user code (it must come back)
+
+
+WORKER_CASES = {
+    "renamed-hyperparameter": WorkerCase("RenamedHyperparameter", (), "hyperparameter `lr` is not in the config's "
+                                         "hyperparameters; defined: global_batch_size, learning_rate", 1),
+    "dict-batches-under-pipeline": WorkerCase("DictBatches", ("distributed.strategy=pipeline",),
+                                              "strategy pipeline needs batches of (inputs, targets); the batch was "
+                                              "dict", 1),
+    "user-exception-at-batch-3": WorkerCase("FailsAtBatch3", (), "KeyError: 'cooldown' in train_batch "
+                                            "(worker_error_trial.py:51) after 2 batches, again after a restart", 2),
+    "data-missing-on-one-rank": WorkerCase("DataOnEachNode", ("data.directory={tmp}/node-{{rank}}",),
+                                           "Fashion-MNIST's four IDX files are not in {tmp}/node-1", 1),
+}
+
+
+def worker_starts(run_dir: Path) -> int:
+    """How many times the elastic agent started the workers: it keeps a log directory per attempt."""
+    return len(list((run_dir / "logs" / "agent").glob("*/attempt_*")))
+
+
+@pytest.mark.parametrize("name", list(WORKER_CASES))
+def test_error_inside_the_workers_stops_without_restarts(name: str, tmp_path: Path) -> None:
+    """max_restarts 3, yet an error that a restart cannot mend ends the run at once: one line (and, for an
+    exception in user code, its user frames once), exit code 2, none of torch's agent lines on the console."""
+    case = WORKER_CASES[name]
+    _fashion_files(tmp_path / "node-0", images=200, labels=200)
+    settings = [s.format(tmp=tmp_path) for s in case.settings]
+    run_dir = tmp_path / "run"
+    result = dtrain("run", CONFIG, "--set", f"entrypoint={WORKER_TRIALS}:{case.trial}", "--set", "max_restarts=3",
+                    *(arg for setting in settings for arg in ("--set", setting)), "--run-dir", run_dir)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert worker_starts(run_dir) == case.starts, result.stderr[-3000:]
+    lines = result.stderr.splitlines()
+    [error] = error_lines(result.stderr)
+    assert case.expected.format(tmp=tmp_path) in error, error
+    restarts = [line for line in lines if "restarting the workers" in line]
+    starting = [line for line in lines if line.startswith("digits_test: starting")]
+    shown = [line for line in lines if line.startswith("Traceback")]
+    if case.starts == 1:
+        assert not shown and not restarts, result.stderr
+        # the run dir, the trainer's first line when the error came after it, the error
+        assert len(lines) == 2 + len(starting) and len(starting) <= 1, result.stderr
+    else:  # the exception once, then the restart that met it again
+        assert len(restarts) == 1 and "after 2 batches; restarting the workers" in restarts[0], result.stderr
+        assert len(shown) == 1 and "the user's frames only" in shown[0], result.stderr
+        traceback = lines[lines.index(shown[0]):lines.index(error)]
+        assert "worker_error_trial.py" in traceback[1] and traceback[-1] == "KeyError: 'cooldown'", traceback
+        assert not [line for line in traceback if "/dtrain/" in line or "site-packages" in line], traceback
+        # the run dir, a start line per attempt, the restart, the traceback (header, frame, code, markers, last)
+        assert len(lines) == 1 + len(starting) + 1 + len(traceback) + 1 and len(starting) == 2, result.stderr
+    assert "exitcode" not in result.stderr and "[rank" not in result.stderr  # torch's lines went to the log
+    assert "failed (exitcode: 2)" in (run_dir / "logs" / "agent.log").read_text()
+    assert summary(run_dir)["status"] == "failed"

@@ -242,6 +242,38 @@ def test_launch_config_takes_what_launch_passes(tmp_path: Path) -> None:
     _takes(elastic_launch(config, entrypoint="python"), "-u", "-m", "dtrain.worker")
 
 
+def test_the_launcher_builds_its_agent_by_a_name_launch_py_can_replace() -> None:
+    """launch.py _stopping_on_user_errors(): elastic_launch's launch_agent builds `LocalElasticAgent` by its name in
+    torch.distributed.launcher.api, so StopOnUserError takes its place there; the agent's loop restarts a failed
+    group only while `_remaining_restarts > 0`, right after `_monitor_workers(group)` (the same field torch's own
+    agent zeroes for a worker stuck in the kernel); and a failure's `exitcode` is the worker's exit status."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.launcher import api
+
+    assert api.LocalElasticAgent is local_elastic_agent.LocalElasticAgent
+    assert "agent = LocalElasticAgent(" in inspect.getsource(api.launch_agent)
+    loop = inspect.getsource(SimpleElasticAgent._invoke_run)
+    assert "self._monitor_workers(self._worker_group)" in loop and "if self._remaining_restarts > 0:" in loop
+    assert loop.index("self._monitor_workers(") < loop.index("if self._remaining_restarts > 0:")
+    _takes(local_elastic_agent.LocalElasticAgent._monitor_workers, object(), object())
+    assert "self._remaining_restarts = self._worker_group.spec.max_restarts" in inspect.getsource(SimpleElasticAgent)
+    assert ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file="").exitcode == 2
+
+
+def test_the_error_handler_records_a_caught_exception(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """worker.py _user_exception(): get_error_handler().record_exception(exc) writes torch's error file for an
+    exception the worker caught (what @record writes for one it did not), which _describe_failure reads."""
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    try:
+        raise KeyError("cooldown")
+    except KeyError as exc:
+        get_error_handler().record_exception(exc)
+    assert "KeyError" in json.loads(error_file.read_text())["message"]["message"]
+
+
 def test_signal_exception_names_its_signal() -> None:
     """launch.py: a SignalException's `sigval.name` says which signal stopped the agent."""
     assert SignalException("stop", sigval=signal.SIGTERM).sigval.name == "SIGTERM"
