@@ -76,6 +76,7 @@ bench: setup
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/plan_validation.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/compression.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/stragglers.py
+	flock /tmp/dtrain-bench.lock $(PY) benchmarks/fail_fast.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/diagnose_check.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/chaos.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/clusters.py
