@@ -266,7 +266,7 @@ def _stop_on_user_error_class(base: type, run_dir: Path, run_id: str) -> type:
     for a worker stuck in the kernel). Before a restart after an exception in user code it says which."""
     from torch.distributed.elastic.agent.server.api import WorkerState
 
-    class StopOnUserError(base):  # type: ignore[valid-type, misc]
+    class StopOnUserError(base):
         _remaining_restarts: int  # torch's agent sets it to max_restarts and counts it down
 
         def _monitor_workers(self, worker_group: Any) -> Any:
