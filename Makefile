@@ -80,6 +80,7 @@ bench: setup
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/diagnose_check.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/chaos.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/clusters.py
+	flock /tmp/dtrain-bench.lock $(PY) benchmarks/slurm.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/hsdp_cluster.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/horovod_compat.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/horovod_accuracy.py
