@@ -349,7 +349,7 @@ def test_experiment_config_is_strict_about_types() -> None:
 
 
 @pytest.mark.parametrize(("setting", "once"), [
-    ({"checkpoint_storage": {"type": "s3"}}, "shared_fs, directory"),
+    ({"checkpoint_storage": {"type": "hdfs"}}, "directory, shared_fs, s3, gcs, azure"),
     ({"distributed": {"compression": {"name": "zzz"}}}, "none, fp16"),
 ])
 def test_a_value_that_is_none_of_the_choices_lists_them_once(setting: dict[str, Any], once: str) -> None:
