@@ -280,7 +280,7 @@ class SearcherContext:
 
     def _length(self) -> int:
         run = self._run
-        if run.link is not None:
+        if run.link is not None and run.link.max_length[0] > 0:  # 0: the command sets its own length
             value = int(run.link.max_length[0])
         else:
             configured = run.searcher.get("max_length")

@@ -9,7 +9,7 @@ from typing import Any
 from dtrain.errors import ConfigError
 from dtrain.search import asha
 from dtrain.search.space import Space
-from dtrain.search.spec import parse_searcher
+from dtrain.search.spec import is_command_experiment, parse_searcher
 
 
 def preview(raw: Mapping[str, Any]) -> str:
@@ -18,15 +18,17 @@ def preview(raw: Mapping[str, Any]) -> str:
     if not isinstance(searcher, Mapping):
         raise ConfigError("the experiment file has no `searcher:` section; add one, e.g. `searcher: {name: random, "
                           "max_trials: 8, max_length: {epochs: 4}, metric: validation_loss}`")
-    spec = parse_searcher(searcher)
+    spec = parse_searcher(searcher, command=is_command_experiment(raw))
     space = Space.parse(raw.get("hyperparameters") or {})
     names = ", ".join(p.name for p in space.searchable) or "none (every hyperparameter is a constant)"
     lines = [f"searcher {spec.name}, metric {spec.metric} ({'smaller' if spec.smaller_is_better else 'larger'} is "
              f"better); searched: {names}"]
+    own = "the length the command sets itself (no searcher.max_length: the searcher counts what it reports)"
     if spec.name == "random":
-        lines.append(f"{spec.max_trials} trials of {spec.max_length} {spec.unit} each, up to "
-                     f"{spec.max_concurrent_trials or spec.max_trials} at once: {spec.max_trials * spec.max_length} "
-                     f"{spec.unit} in all")
+        each = f"{spec.max_length} {spec.unit}" if spec.max_length else own
+        in_all = f"{spec.max_trials * spec.max_length} {spec.unit} in all" if spec.max_length else "each trial its own"
+        lines.append(f"{spec.max_trials} trials of {each}, up to {spec.max_concurrent_trials or spec.max_trials} at "
+                     f"once: {in_all}")
         example = space.sample(random.Random(0))
         lines.append(f"first trial's hyperparameters (seed 0): {example}")
     elif spec.name == "optuna":
@@ -36,8 +38,11 @@ def preview(raw: Mapping[str, Any]) -> str:
                      f"{total * spec.max_length} {spec.unit} in all (the pruner stops trials as they report)")
     elif spec.name == "grid":
         points = space.grid()
-        lines.append(f"{len(points)} grid points, each trained for {spec.max_length} {spec.unit}: "
-                     f"{len(points) * spec.max_length} {spec.unit} in all")
+        if spec.max_length:
+            lines.append(f"{len(points)} grid points, each trained for {spec.max_length} {spec.unit}: "
+                         f"{len(points) * spec.max_length} {spec.unit} in all")
+        else:
+            lines.append(f"{len(points)} grid points, each trained for {own}")
         for p in space.searchable:
             lines.append(f"  {p.name}: {p.grid()}")
     else:

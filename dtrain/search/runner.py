@@ -34,7 +34,7 @@ from dtrain.search import asha
 from dtrain.search.link import BRACKET, INVALID, STOPPED, LinkRecord, make_pruner
 from dtrain.search.progress import SearchProgress
 from dtrain.search.space import Space
-from dtrain.search.spec import SearchSpec, parse_searcher
+from dtrain.search.spec import SearchSpec, is_command_experiment, parse_searcher
 from dtrain.search.study import ask, open_study, total_trials
 
 STUDY_FILE = "study.db"
@@ -57,8 +57,9 @@ def trial_settings(params: Mapping[str, Any], spec: SearchSpec) -> list[str]:
     """The `--set` overrides that make the experiment file one trial: its hyperparameters and a `single` searcher
     that trains to max_length (adaptive ASHA and Optuna: max_time in time_metric units)."""
     settings = [f"hyperparameters.{name}={json.dumps(value)}" for name, value in params.items()]
-    searcher = {"name": "single", "metric": spec.metric, "smaller_is_better": spec.smaller_is_better,
-                "max_length": {spec.unit: spec.max_length}}
+    searcher: dict[str, Any] = {"name": "single", "metric": spec.metric, "smaller_is_better": spec.smaller_is_better}
+    if spec.max_length:  # 0: a command that sets its own length
+        searcher["max_length"] = {spec.unit: spec.max_length}
     settings.append(f"searcher={json.dumps(searcher)}")
     return settings
 
@@ -97,7 +98,7 @@ class SearchRunner:
     def __init__(self, config: Path, overrides: list[str], raw: Mapping[str, Any], search_dir: Path, slots: int,
                  seed: int = 0, storage: str | None = None, study_name: str = "search") -> None:
         self.config, self.overrides, self.search_dir = config, overrides, search_dir.resolve()
-        self.spec = parse_searcher(raw["searcher"])
+        self.spec = parse_searcher(raw["searcher"], command=is_command_experiment(raw))
         self.space = Space.parse(raw.get("hyperparameters") or {})
         per_trial = int((raw.get("resources") or {}).get("slots_per_trial", 1))
         if per_trial > slots:

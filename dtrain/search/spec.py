@@ -24,7 +24,7 @@ class SearchSpec:
     name: str
     metric: str
     smaller_is_better: bool
-    max_length: int
+    max_length: int  # 0: a command entrypoint that sets its own length (random, grid); the trial reports it
     unit: str
     max_trials: int
     max_concurrent_trials: int
@@ -56,8 +56,23 @@ def _whole(raw: Mapping[str, Any], key: str, default: int | None, minimum: int =
     return value
 
 
-def parse_searcher(raw: Mapping[str, Any]) -> SearchSpec:
-    """`searcher:` of a search experiment -> SearchSpec, or one ConfigError."""
+def is_command_experiment(raw: Mapping[str, Any]) -> bool:
+    """Whether the experiment file's entrypoint is a command (which sets its own length), not a Trial class."""
+    from dtrain.config.entrypoint import parse_entrypoint
+
+    entrypoint = raw.get("entrypoint")
+    if not isinstance(entrypoint, str | list):
+        return False
+    try:
+        return bool(parse_entrypoint(entrypoint).is_command)
+    except ValueError:  # the loader says what is wrong with it
+        return False
+
+
+def parse_searcher(raw: Mapping[str, Any], command: bool = False) -> SearchSpec:
+    """`searcher:` of a search experiment -> SearchSpec, or one ConfigError. With a `command` entrypoint, random
+    and grid need no max_length (as in Determined): the script sets its own length and the searcher counts the
+    steps it reports (max_length 0)."""
     defaults = Searcher()  # the schema's defaults, which the config reference shows
     name = raw.get("name", defaults.name)
     if name not in SEARCHERS:
@@ -69,6 +84,8 @@ def parse_searcher(raw: Mapping[str, Any]) -> SearchSpec:
         units, unit = _length({metric_unit: raw["max_time"]}, "max_time")
     elif "max_length" in raw:
         units, unit = _length(raw["max_length"], "max_length")
+    elif command and name in ("random", "grid"):
+        units, unit = 0, "batches"
     else:
         timed = name in ("adaptive_asha", "optuna")
         wanted = "max_time (with time_metric) or max_length" if timed else "max_length"

@@ -16,9 +16,10 @@ from dtrain.determined import install_import_path
 from dtrain.determined.entrypoint import load_trial
 from dtrain.determined.experiment import single_searcher_draw
 from dtrain.errors import ConfigError, TrialError
+from dtrain.search.preview import preview
 from dtrain.search.runner import is_search, raw_config
 from dtrain.search.space import Space
-from dtrain.search.spec import parse_searcher
+from dtrain.search.spec import is_command_experiment, parse_searcher
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "determined_trials" / "examples"
 
@@ -28,13 +29,14 @@ def load_as_dtrain_run(path: Path) -> ExperimentConfig:
     length); for searcher single over ranges, one drawn point."""
     raw = raw_config(path, [])
     if is_search(raw):
-        spec = parse_searcher(raw["searcher"])
+        spec = parse_searcher(raw["searcher"], command=is_command_experiment(raw))
         import random
 
         trial = copy.deepcopy(raw)
         trial["hyperparameters"] = Space.parse(raw.get("hyperparameters") or {}).sample(random.Random(0))
-        trial["searcher"] = {"name": "single", "metric": spec.metric, "smaller_is_better": spec.smaller_is_better,
-                             "max_length": {spec.unit: spec.max_length}}
+        trial["searcher"] = {"name": "single", "metric": spec.metric, "smaller_is_better": spec.smaller_is_better}
+        if spec.max_length:  # 0: the command sets its own length
+            trial["searcher"]["max_length"] = {spec.unit: spec.max_length}
         return load_config(None, raw=trial).config
     return load_config(path, single_searcher_draw(raw)).config
 
@@ -81,3 +83,19 @@ def test_a_keras_trial_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     with pytest.raises(TrialError, match="dtrain trains PyTorch models only") as caught:
         load_trial(load_config(None, raw=raw).config, tmp_path)
     assert "\n" not in str(caught.value)
+
+
+def test_a_search_whose_command_sets_its_own_length_needs_no_max_length() -> None:
+    raw = raw_config(EXAMPLES / "command_own_length.yaml", [])
+    spec = parse_searcher(raw["searcher"], command=is_command_experiment(raw))
+    assert spec.max_length == 0 and spec.name == "grid"
+    plan = preview(raw)
+    assert "2 grid points, each trained for the length the command sets itself" in plan
+    random_search = {**raw, "searcher": {**raw["searcher"], "name": "random", "max_trials": 3}}
+    assert "3 trials of the length the command sets itself" in preview(random_search)
+    trial_class = {**raw, "entrypoint": "model_def:MyTrial"}  # a Trial class still needs the searcher's length
+    with pytest.raises(ConfigError, match="searcher `grid` needs max_length"):
+        preview(trial_class)
+    asha_search = {**raw, "searcher": {"name": "adaptive_asha", "metric": "validation_loss", "max_trials": 4}}
+    with pytest.raises(ConfigError, match="needs max_time"):  # ASHA's rungs need a length, as in Determined
+        preview(asha_search)
