@@ -334,6 +334,12 @@ def _print_summary(run_dir: Path, experiment_id: int | None, summary: dict[str, 
         from dtrain.runs.preemptions import describe_preemptions
 
         lines.append(f"  preempted    {describe_preemptions(summary['preemptions'])}")
+    precision = summary.get("precision") or {}
+    if precision.get("autocast_dtype"):
+        left = precision.get("modules_in_fp32") or []
+        lines.insert(2, f"  precision    {precision['name']}: autocast to {precision['autocast_dtype']}"
+                        + (f"; left in fp32 by autocast: {', '.join(left[:6])}" + (" ..." if len(left) > 6 else "")
+                           if left else ""))
     if experiment_id is not None:
         lines.append(f"  store        dtrain experiments show {experiment_id}")
     if status == "stopped":

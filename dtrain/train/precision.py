@@ -89,18 +89,55 @@ class MixedPrecision:
         self.distributed = distributed
         self.skipped = 0
         self.history: list[tuple[float, int]] = []  # (scale used, skipped updates so far) per update
+        self.modules_in_fp32: list[str] | None = None  # found on the first forward pass
         if precision == "bf16":
             warn_without_native_bf16(device)
+
+    def describe(self) -> dict[str, Any]:
+        """What ran (summary.json's `precision`): the setting, autocast's dtype, and the modules with weights whose
+        output autocast left in fp32 on the first forward pass (e.g. a GRU or LSTM under CPU autocast, whose op list
+        has no recurrent ops)."""
+        return {"name": self.precision, "autocast_dtype": str(self.dtype).removeprefix("torch."),
+                "loss_scaling": self.scaler is not None, "modules_in_fp32": self.modules_in_fp32}
+
+    @contextmanager
+    def _watching_output_dtypes(self, model: nn.Module) -> Iterator[None]:
+        """On the first forward pass: note every module holding floating weights of its own whose first floating
+        output is fp32 under autocast."""
+        if self.modules_in_fp32 is not None:
+            yield
+            return
+        found: list[str] = []
+
+        def watch(name: str, module: nn.Module) -> Any:
+            def hook(_: nn.Module, __: Any, output: Any) -> None:
+                first = output[0] if isinstance(output, (tuple, list)) and output else output
+                if isinstance(first, torch.Tensor) and first.dtype == torch.float32:
+                    label = f"{name} ({type(module).__name__})"
+                    if label not in found:
+                        found.append(label)
+            return module.register_forward_hook(hook)
+
+        handles = [watch(name, module) for name, module in model.named_modules()
+                   if any(p.is_floating_point() for p in module.parameters(recurse=False))]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            self.modules_in_fp32 = found
 
     def forward_backward(self, model: nn.Module, batch: Any, train_batch: TrainBatch, *, loss_scale: float,
                          communicate: bool, phases: ComputePhases) -> Mapping[str, Any]:
         autocast_phases = _AutocastPhases(phases, self.device.type, self.dtype)
         if self.scaler is None:
-            return self.inner.forward_backward(model, batch, train_batch, loss_scale=loss_scale,
-                                               communicate=communicate, phases=autocast_phases)
+            with self._watching_output_dtypes(model):
+                return self.inner.forward_backward(model, batch, train_batch, loss_scale=loss_scale,
+                                                   communicate=communicate, phases=autocast_phases)
         scale = self._scale()
-        outputs = self.inner.forward_backward(model, batch, train_batch, loss_scale=loss_scale * scale,
-                                              communicate=communicate, phases=autocast_phases)
+        with self._watching_output_dtypes(model):
+            outputs = self.inner.forward_backward(model, batch, train_batch, loss_scale=loss_scale * scale,
+                                                  communicate=communicate, phases=autocast_phases)
         if communicate:
             self._unscale_and_agree()
             self.history.append((scale, self.skipped))

@@ -525,6 +525,9 @@ class Trainer:
                               strategy=self.strategy.describe(), compression=self.config.compression.name)
         if self.stopped_by is not None:
             summary["stopped_by_searcher"] = self.stopped_by
+        summary["precision"] = (self.forward_backward.describe() if isinstance(self.forward_backward, MixedPrecision)
+                                else {"name": "fp32", "autocast_dtype": None, "loss_scaling": False,
+                                      "modules_in_fp32": None})
         held, part = (self.strategy.replica_part() if isinstance(self.strategy, HoldsModelParts)
                       else (self.strategy.unwrap_model(), 0))
         summary["replicas_identical"] = replicas_identical(held, part)
