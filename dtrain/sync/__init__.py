@@ -10,21 +10,17 @@ from dtrain.sync import allreduce, fsdp, hierarchical, hsdp, local_sgd, paramete
 from dtrain.sync.allreduce import AllReduceStrategy
 from dtrain.sync.base import (
     AsynchronousPacing,
-    BucketObserving,
     CollectiveForward,
     ComputePhases,
     Consolidating,
     EvaluatesInStages,
     HoldsModelParts,
-    OptimizerWrapping,
     OwnsCheckpointState,
-    ReportingMetrics,
     RunsForwardBackward,
     ShardedConstruction,
+    StrategyBase,
     SyncStrategy,
-    TimesWaits,
     TrainBatch,
-    WireMetering,
     WritesShardedCheckpoint,
     forward_is_collective,
 )
@@ -62,12 +58,9 @@ def build_strategy(config: ExperimentConfig, topology: Topology) -> SyncStrategy
     return strategy_spec(config.distributed.strategy).build(config, topology)
 
 
-__all__ = ["REGISTRY", "AllReduceStrategy", "AsynchronousPacing", "BucketObserving", "CollectiveForward",
-           "ComputePhases", "Consolidating", "EvaluatesInStages", "FsdpStrategy", "HierarchicalStrategy",
-           "HoldsModelParts",
-           "LocalSGDStrategy",
-           "OptimizerWrapping", "OwnsCheckpointState", "ParameterServerStrategy", "PipelineStrategy",
-           "ReportingMetrics", "RunsForwardBackward", "ShardedConstruction", "StrategyBuilder", "StrategySpec",
-           "SyncStrategy",
-           "TimesWaits", "TrainBatch", "WireMetering", "WritesShardedCheckpoint", "Zero1Strategy", "build_strategy",
+__all__ = ["REGISTRY", "AllReduceStrategy", "AsynchronousPacing", "CollectiveForward", "ComputePhases",
+           "Consolidating", "EvaluatesInStages", "FsdpStrategy", "HierarchicalStrategy", "HoldsModelParts",
+           "LocalSGDStrategy", "OwnsCheckpointState", "ParameterServerStrategy", "PipelineStrategy",
+           "RunsForwardBackward", "ShardedConstruction", "StrategyBase", "StrategyBuilder", "StrategySpec",
+           "SyncStrategy", "TrainBatch", "WritesShardedCheckpoint", "Zero1Strategy", "build_strategy",
            "forward_is_collective", "strategy_spec"]

@@ -31,6 +31,7 @@ from dtrain.compress import Compressor, NoCompression, WireStats, build_compress
 from dtrain.config import ExperimentConfig
 from dtrain.config import ReduceOp as Op
 from dtrain.errors import SyncError
+from dtrain.sync.base import StrategyBase
 from dtrain.sync.fusion import BYTES_PER_MB, FusionTuner, candidate_bucket_sizes
 from dtrain.sync.hooks import (
     BucketObserver,
@@ -103,11 +104,11 @@ class Replica(nn.Module):
             raise unfinished_reduction_error(exc, self.parameter_names) or exc from None
 
 
-class AllReduceStrategy:
+class AllReduceStrategy(StrategyBase):
     """DDP with buckets of `bucket_cap_mb` (or tuned ones) and the comm hook for `op`; with one process the
-    model runs unwrapped (nothing to synchronize). Core protocol plus the BucketObserving, WireMetering and
-    Consolidating (a fresh DDP wrapper at each checkpoint, for bitwise-identical restarts) extensions
-    (dtrain.sync.base)."""
+    model runs unwrapped (nothing to synchronize). The core protocol, with `observe_buckets` and `take_wire_stats`
+    of its own, plus the Consolidating extension (a fresh DDP wrapper at each checkpoint, for bitwise-identical
+    restarts) (dtrain.sync.base)."""
 
     name = "allreduce"
 

@@ -1,6 +1,7 @@
-"""What a synchronization strategy is to the Trainer: one small core protocol that every strategy implements,
-and optional extensions, each its own protocol, that the Trainer checks with `isinstance` once at set-up and
-replaces by one default behaviour when a strategy lacks them (docs/strategies.md says when each is called).
+"""What a synchronization strategy is to the Trainer: one core protocol that every strategy implements (its
+last five hooks have defaults on `StrategyBase`, which strategies subclass), and optional extensions, each its
+own protocol, whose absence changes the Trainer's flow: the Trainer checks them with `isinstance` once at set-up
+and takes its one default path when a strategy lacks them (docs/strategies.md says when each is called).
 
 Contract with the Trainer: before backward, each rank scales its loss by world_size * weight / k, where
 weight is the rank's share of the global batch and k the aggregation frequency (1/k only with
@@ -65,6 +66,55 @@ class SyncStrategy(Protocol):
         """Release communication resources."""
         ...
 
+    # -- hooks whose absence changes nothing in the Trainer's flow: StrategyBase gives each a default
+
+    def observe_buckets(self, observer: BucketObserver | None, *, per_bucket: bool = False) -> None:
+        """Tell the profiler, from now on, when gradients are ready and when their communication is done
+        (comm-wait phase, timeline bucket spans); called before `wrap_model`, in distributed runs with the phase
+        timers on; None stops it. Default: nothing is reported (phases are timed, waits not split out)."""
+        ...
+
+    def observe_waits(self, record: Callable[[str, float], None] | None) -> None:
+        """Call `record(phase, seconds)` for every communication wait inside forward and backward from now on
+        (FSDP's all-gathers and reduce-scatters, a pipeline stage's bubble), so the phase timers show them as
+        phases of their own; called before `wrap_model`, with the phase timers on; None stops it. Default:
+        those waits stay inside the forward and backward phases."""
+        ...
+
+    def take_wire_stats(self) -> WireStats | None:
+        """Bytes this rank sent for gradients since the last call, beside what dense fp32 all-reduces would
+        have sent (logged per update); None when nothing is sent or counted. Default: None."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """Scalars of its own for each training report (rank 0). Default: none."""
+        ...
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer the Trainer schedules, checkpoints and hands to `step()`, in place of the one built over
+        the wrapped model's parameters (a sharded optimizer such as ZeRO-1's). Default: the optimizer as built."""
+        ...
+
+
+class StrategyBase:
+    """The defaults of the hooks whose absence changes nothing in the Trainer's flow (`SyncStrategy`'s last
+    five): a strategy subclasses it and overrides the ones it has."""
+
+    def observe_buckets(self, observer: BucketObserver | None, *, per_bucket: bool = False) -> None:
+        """No bucket reports."""
+
+    def observe_waits(self, record: Callable[[str, float], None] | None) -> None:
+        """No waits of its own to report."""
+
+    def take_wire_stats(self) -> WireStats | None:
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer
+
 
 # ------------------------------------------------------------------------------------------------ extensions
 
@@ -89,45 +139,6 @@ class Consolidating(Protocol):
     def consolidate(self, *, snapshot: bool = False) -> None:
         """Called by every rank together before validation and checkpoints: bring this rank's model to the
         parameters every rank shares; with `snapshot`, capture the state that `state_dict()` returns next."""
-        ...
-
-
-@runtime_checkable
-class BucketObserving(Protocol):
-    """Tells the profiler when gradients are ready and when their communication is done (comm-wait phase,
-    timeline bucket spans). Without it the profiler times phases only."""
-
-    def observe_buckets(self, observer: BucketObserver | None, *, per_bucket: bool = False) -> None:
-        """Report to `observer` from now on (called before `wrap_model`); None stops reporting."""
-        ...
-
-
-@runtime_checkable
-class WireMetering(Protocol):
-    """Counts the bytes its gradient communication sends. Without it a run reports no wire bytes."""
-
-    def take_wire_stats(self) -> WireStats | None:
-        """Bytes this rank sent for gradients since the last call, beside what dense fp32 all-reduces would
-        have sent (the Trainer logs them per update); None when nothing is sent or counted."""
-        ...
-
-
-@runtime_checkable
-class ReportingMetrics(Protocol):
-    """Adds its own scalars to each training report. Without it a report holds the Trainer's metrics only."""
-
-    def metrics(self) -> dict[str, float]:
-        """Scalars for the run store and TensorBoard at each training report (rank 0); may be empty."""
-        ...
-
-
-@runtime_checkable
-class OptimizerWrapping(Protocol):
-    """Replaces the optimizer built over the wrapped model's parameters (a sharded optimizer such as ZeRO-1's).
-    Without it the Trainer steps the optimizer it built."""
-
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Return the optimizer the Trainer schedules, checkpoints and hands to `step()`."""
         ...
 
 
@@ -243,16 +254,4 @@ class HoldsModelParts(Protocol):
 
     def replica_part(self) -> tuple[nn.Module, int]:
         """The module this rank holds and its part number (ranks with the same number must hold equal weights)."""
-        ...
-
-
-@runtime_checkable
-class TimesWaits(Protocol):
-    """Measures its own communication waits inside forward and backward (FSDP's all-gathers and reduce-scatters,
-    a pipeline stage's bubble), so the phase timers show them as phases `all_gather`, `reduce_scatter`, `bubble`.
-    Without it those waits stay inside the forward and backward phases."""
-
-    def observe_waits(self, record: Callable[[str, float], None] | None) -> None:
-        """Call `record(phase, seconds)` for every wait from now on (called before `wrap_model`, with the phase
-        timers on); None stops it."""
         ...

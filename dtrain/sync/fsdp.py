@@ -49,6 +49,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from dtrain.comm import Topology, device_mesh
 from dtrain.config import ExperimentConfig
 from dtrain.runs.storage import ShardFolder
+from dtrain.sync.base import StrategyBase
 from dtrain.sync.spec import StrategySpec
 
 FULL = StateDictOptions(full_state_dict=True)
@@ -68,7 +69,7 @@ def sharding_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-class FsdpStrategy:
+class FsdpStrategy(StrategyBase):
     """FSDP2 over all workers: the core protocol plus ShardedConstruction, CollectiveForward, OwnsCheckpointState
     and WritesShardedCheckpoint."""
 
@@ -155,7 +156,7 @@ class FsdpStrategy:
     # ---------------------------------------------------------------------------------- extensions
 
     def observe_waits(self, record: Callable[[str, float], None] | None) -> None:
-        """TimesWaits: report each all-gather and reduce-scatter's wall time (set before `wrap_model`)."""
+        """Report each all-gather and reduce-scatter's wall time (set before `wrap_model`)."""
         self._record = record
 
     def model_state_dict(self) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from dtrain.comm import Topology, all_gather_object
 from dtrain.comm.topology import NodeGroups, node_groups
 from dtrain.compress import BucketInfo, Compressor, NoCompression, WireStats, build_compressor
 from dtrain.config import ExperimentConfig
+from dtrain.sync.base import StrategyBase
 from dtrain.sync.hooks import run_round
 from dtrain.sync.spec import StrategySpec
 
@@ -74,9 +75,9 @@ def local_sgd_hook(state: LocalHookState, bucket: dist.GradBucket) -> torch.futu
     return work.get_future().then(lambda _: buffer.div_(size))
 
 
-class LocalSGDStrategy:
+class LocalSGDStrategy(StrategyBase):
     """Local SGD, post-local SGD, hierarchical periods and DiLoCo behind the core protocol, plus `Consolidating`,
-    `WireMetering`, `ReportingMetrics` and `OwnsCheckpointState` (dtrain.sync.base)."""
+    `take_wire_stats`, `metrics` and `OwnsCheckpointState` (dtrain.sync.base)."""
 
     name = "local_sgd"
 

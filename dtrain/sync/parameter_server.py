@@ -10,7 +10,7 @@ holds a byte-balanced shard of the parameters (`ps_shards`) and the optimizer fo
 Workers in `async`/`ssp` mode (and `sync` with backup workers) do not move in lockstep: `steps_done()` reports
 the servers' count of global batches trained, which the Trainer follows between its meeting points (reports,
 validation, checkpoints), where `consolidate()` brings every worker to the same parameters. Besides the core
-protocol the strategy implements the AsynchronousPacing, Consolidating and ReportingMetrics extensions
+protocol the strategy implements the AsynchronousPacing and Consolidating extensions and `metrics`
 (dtrain.sync.base); its pushes and pulls are reported by `metrics()`, not as all-reduce wire bytes.
 """
 
@@ -31,6 +31,7 @@ from dtrain.comm import Topology, barrier
 from dtrain.comm.rpc import init_rpc_group, server_name, shutdown_rpc_group
 from dtrain.config import ExperimentConfig, ParameterServer
 from dtrain.errors import SyncError
+from dtrain.sync.base import StrategyBase
 from dtrain.sync.ps_server import Reply, ShardServer, ShardSpec
 from dtrain.sync.ps_shards import Piece, TensorSize, shard_by_bytes, shard_bytes
 from dtrain.sync.spec import StrategySpec
@@ -94,7 +95,7 @@ def _rpc_resume(worker: int) -> None:
 # ----------------------------------------------------------------------------------------- the workers
 
 
-class ParameterServerStrategy:
+class ParameterServerStrategy(StrategyBase):
     """The workers' side: shards, push/pull each step, and the counters a run reports."""
 
     name = "parameter_server"

@@ -42,7 +42,7 @@ from dtrain.comm import Topology, all_gather_object, device_mesh
 from dtrain.config import ExperimentConfig
 from dtrain.errors import ConfigError, TrialError
 from dtrain.runs.storage import ShardFolder
-from dtrain.sync.base import ComputePhases, TrainBatch
+from dtrain.sync.base import ComputePhases, StrategyBase, TrainBatch
 from dtrain.sync.pipeline_state import distribute_stages, load_stage, save_stage
 from dtrain.sync.spec import StrategySpec
 
@@ -95,12 +95,12 @@ def cut_model(model: nn.Module, stages: int, split_points: Sequence[str]) -> lis
     return [nn.Sequential(OrderedDict(children[bounds[s]:bounds[s + 1]])) for s in range(stages)]
 
 
-class PipelineStrategy:
+class PipelineStrategy(StrategyBase):
     """Stages over the mesh's "pipeline" dimension, replicas over its "data" dimension. Core protocol plus
     ShardedConstruction (each rank receives only its stage), RunsForwardBackward (the schedule), Consolidating and
     OwnsCheckpointState (stages gathered from their owners), WritesShardedCheckpoint (each stage writes its own
     part), EvaluatesInStages (validation through the stages), HoldsModelParts (the replica check per stage) and
-    TimesWaits (the bubble)."""
+    `observe_waits` (the bubble)."""
 
     name = "pipeline"
 
@@ -227,7 +227,7 @@ class PipelineStrategy:
         return {"loss": mean}
 
     def observe_waits(self, record: Callable[[str, float], None] | None) -> None:
-        """TimesWaits: report each schedule's bubble, its wall time minus this stage's own forward, loss and
+        """Report each schedule's bubble, its wall time minus this stage's own forward, loss and
         backward compute (timed around the stage's forward_one_chunk and backward_one_chunk calls and the loss), so
         waiting for the other stages and the activations' sends and receives."""
         self._record = record

@@ -22,7 +22,7 @@ from dtrain.sync.spec import StrategySpec
 
 
 class Zero1Strategy(AllReduceStrategy):
-    """DDP (average, no compression) plus a sharded optimizer: the OptimizerWrapping and OwnsCheckpointState
+    """DDP (average, no compression) plus a sharded optimizer: `wrap_optimizer` and the OwnsCheckpointState
     extensions on top of the allreduce strategy's core."""
 
     name = "zero1"

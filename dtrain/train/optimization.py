@@ -14,7 +14,7 @@ from dtrain.errors import ConfigError, TrialError
 from dtrain.optim.build import build_lr_schedule
 from dtrain.optim.build import build_optimizer as build_config_optimizer
 from dtrain.optim.lr_schedule import ScheduledLR
-from dtrain.sync import OptimizerWrapping, SyncStrategy
+from dtrain.sync import SyncStrategy
 from dtrain.train.schedule import Schedule
 from dtrain.train.trial import Trial
 
@@ -84,8 +84,7 @@ def build_optimization(config: ExperimentConfig, trial: Trial, model: nn.Module,
                              "return a torch.optim.Optimizer")
     else:  # the config owns the optimizer and its schedule; the Trial's builders are not called
         optimizer = build_config_optimizer(lb, model, config.hyperparameters)
-    if isinstance(strategy, OptimizerWrapping):
-        optimizer = strategy.wrap_optimizer(optimizer)
+    optimizer = strategy.wrap_optimizer(optimizer)
     scheduler = trial.build_lr_scheduler(optimizer) if lb.optimizer == "trial" else None
     if scheduler is not None and lb.schedules_lr:
         raise ConfigError(

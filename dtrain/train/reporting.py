@@ -15,7 +15,7 @@ from dtrain.compress import WireStats
 from dtrain.data.sharding import BatchSplit
 from dtrain.errors import TrainingDiverged
 from dtrain.profile import Profiler, tensorboard_scalars
-from dtrain.sync import ReportingMetrics, SyncStrategy, WireMetering
+from dtrain.sync import SyncStrategy
 from dtrain.train.batches import metric_term
 from dtrain.train.guard import RECIPE_ADVICE
 from dtrain.train.metrics import MetricsWriter
@@ -25,15 +25,14 @@ from dtrain.train.state import TrainerState, TrainingClock
 
 class WireMeter:
     """The bytes the strategy's gradient communication sent, per update and added to the run's totals (nothing is
-    counted for a strategy without the WireMetering extension)."""
+    counted for a strategy whose `take_wire_stats` keeps StrategyBase's default)."""
 
     def __init__(self, strategy: SyncStrategy) -> None:
-        self._take: Callable[[], WireStats | None] | None = (
-            strategy.take_wire_stats if isinstance(strategy, WireMetering) else None)
+        self._take: Callable[[], WireStats | None] = strategy.take_wire_stats
 
     def count(self, state: TrainerState) -> WireStats | None:
         """The bytes the update that just ran sent (None if nothing was sent), added to `state`'s totals."""
-        wire = self._take() if self._take is not None else None
+        wire = self._take()
         if wire is None or not wire.buckets:
             return None
         state.communicating_steps += 1
@@ -80,8 +79,7 @@ class Reporter:
         self.topology = topology
         self.schedule = schedule
         self.clock = clock
-        self.strategy_metrics: Callable[[], dict[str, float]] = (
-            strategy.metrics if isinstance(strategy, ReportingMetrics) else dict)
+        self.strategy_metrics: Callable[[], dict[str, float]] = strategy.metrics
 
     def update(self, step: int, *, lr: float, split: BatchSplit, aggregation_frequency: int,
                wire: WireStats | None) -> None:

@@ -29,14 +29,12 @@ from dtrain.profile.device_clock import CudaClock
 from dtrain.runs.rundir import SUMMARY_FILE, RunInfo, write_json_atomic
 from dtrain.sync import (
     AsynchronousPacing,
-    BucketObserving,
     Consolidating,
     EvaluatesInStages,
     HoldsModelParts,
     RunsForwardBackward,
     ShardedConstruction,
     SyncStrategy,
-    TimesWaits,
     build_strategy,
     forward_is_collective,
 )
@@ -242,9 +240,8 @@ class Trainer:
         device = self.topology.device
         profiler = Profiler(self.config.profiling, rank=self.topology.rank, run_dir=self.run_dir,
                             device_clock=CudaClock(device) if device.type == "cuda" else None)
-        if profiler.enabled and self.topology.is_distributed and isinstance(self.strategy, BucketObserving):
+        if profiler.enabled and self.topology.is_distributed:
             self.strategy.observe_buckets(profiler.timer.buckets, per_bucket=profiler.timeline is not None)
-        if profiler.enabled and self.topology.is_distributed and isinstance(self.strategy, TimesWaits):
             self.strategy.observe_waits(profiler.timer.carve)
         return profiler
 

@@ -25,23 +25,19 @@ from dtrain.runs.store import RunStore
 from dtrain.sync import (
     AllReduceStrategy,
     AsynchronousPacing,
-    BucketObserving,
     CollectiveForward,
     ComputePhases,
     Consolidating,
     EvaluatesInStages,
     HoldsModelParts,
-    OptimizerWrapping,
     OwnsCheckpointState,
     ParameterServerStrategy,
     PipelineStrategy,
-    ReportingMetrics,
     RunsForwardBackward,
     ShardedConstruction,
+    StrategyBase,
     SyncStrategy,
-    TimesWaits,
     TrainBatch,
-    WireMetering,
     WritesShardedCheckpoint,
     build_strategy,
 )
@@ -52,9 +48,14 @@ from dtrain.train.trainer import Trainer
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 ONE_PROCESS = Topology(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, backend="gloo",
                        device=torch.device("cpu"), launcher="none")
-EXTENSIONS = (AsynchronousPacing, BucketObserving, CollectiveForward, Consolidating, EvaluatesInStages,
-              HoldsModelParts, OptimizerWrapping, OwnsCheckpointState, ReportingMetrics, RunsForwardBackward,
-              ShardedConstruction, TimesWaits, WireMetering, WritesShardedCheckpoint)
+EXTENSIONS = (AsynchronousPacing, CollectiveForward, Consolidating, EvaluatesInStages, HoldsModelParts,
+              OwnsCheckpointState, RunsForwardBackward, ShardedConstruction, WritesShardedCheckpoint)
+DEFAULTED = ("observe_buckets", "observe_waits", "take_wire_stats", "metrics", "wrap_optimizer")  # on StrategyBase
+
+
+def _overridden(strategy: object) -> set[str]:
+    """The hooks with StrategyBase defaults that `strategy`'s class overrides."""
+    return {hook for hook in DEFAULTED if getattr(type(strategy), hook) is not getattr(StrategyBase, hook)}
 RAW: dict[str, Any] = {
     "name": "plugins", "entrypoint": "digits_trial:DigitsTrial",
     "hyperparameters": {"global_batch_size": 24, "learning_rate": 0.5, "momentum": 0.9, "float64": True,
@@ -102,11 +103,18 @@ def test_an_unregistered_strategy_is_one_clear_error(monkeypatch: pytest.MonkeyP
         build_strategy(load_config(None, raw=copy.deepcopy(RAW)).config, ONE_PROCESS)
 
 
+def test_the_defaulted_hooks_do_what_an_absent_extension_did() -> None:
+    base = StrategyBase()
+    optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    assert base.take_wire_stats() is None and base.metrics() == {} and base.wrap_optimizer(optimizer) is optimizer
+    assert base.observe_buckets(None) is None and base.observe_waits(None) is None
+
+
 def test_allreduce_is_the_core_plus_bucket_observation_wire_metering_and_consolidation() -> None:
     strategy = build_strategy(load_config(None, raw=copy.deepcopy(RAW)).config, ONE_PROCESS)
     assert isinstance(strategy, AllReduceStrategy) and isinstance(strategy, SyncStrategy)
-    assert {kind for kind in EXTENSIONS if isinstance(strategy, kind)} == {BucketObserving, WireMetering,
-                                                                           Consolidating}
+    assert {kind for kind in EXTENSIONS if isinstance(strategy, kind)} == {Consolidating}
+    assert _overridden(strategy) == {"observe_buckets", "take_wire_stats"}
     strategy.consolidate(snapshot=True)  # one process: nothing to rebuild
 
 
@@ -114,23 +122,24 @@ def test_local_sgd_and_hierarchical_are_registered_with_their_extensions() -> No
     raw = copy.deepcopy(RAW)
     raw["distributed"] = {"strategy": "local_sgd"}
     local = build_strategy(load_config(None, raw=raw).config, ONE_PROCESS)
-    assert {kind for kind in EXTENSIONS if isinstance(local, kind)} == {Consolidating, WireMetering, ReportingMetrics,
-                                                                       OwnsCheckpointState}
+    assert {kind for kind in EXTENSIONS if isinstance(local, kind)} == {Consolidating, OwnsCheckpointState}
+    assert _overridden(local) == {"take_wire_stats", "metrics"}
     raw["distributed"] = {"strategy": "hierarchical"}
     assert build_strategy(load_config(None, raw=raw).config, ONE_PROCESS).name == "hierarchical"
 
 
 def test_zero1_adds_a_sharded_optimizer_and_its_checkpoint_state_to_allreduce() -> None:
     strategy = Zero1Strategy(ONE_PROCESS)  # Consolidating: allreduce's fresh DDP wrapper before checkpoints
-    assert {kind for kind in EXTENSIONS if isinstance(strategy, kind)} == {
-        BucketObserving, WireMetering, OptimizerWrapping, OwnsCheckpointState, Consolidating}
+    assert {kind for kind in EXTENSIONS if isinstance(strategy, kind)} == {OwnsCheckpointState, Consolidating}
+    assert _overridden(strategy) == {"observe_buckets", "take_wire_stats", "wrap_optimizer"}
 
 
 def test_fsdp_is_the_core_plus_sharded_construction_collective_forward_checkpoint_state_and_waits() -> None:
     strategy = FsdpStrategy(ONE_PROCESS)  # no Consolidating: no plain copy of the model to refresh
     assert isinstance(strategy, SyncStrategy)
     assert {kind for kind in EXTENSIONS if isinstance(strategy, kind)} == {
-        ShardedConstruction, CollectiveForward, OwnsCheckpointState, WritesShardedCheckpoint, TimesWaits}
+        ShardedConstruction, CollectiveForward, OwnsCheckpointState, WritesShardedCheckpoint}
+    assert _overridden(strategy) == {"observe_waits"}
 
 
 def test_pipeline_is_the_core_plus_its_per_stage_construction_schedule_checkpoints_and_checks() -> None:
@@ -139,22 +148,24 @@ def test_pipeline_is_the_core_plus_its_per_stage_construction_schedule_checkpoin
     assert isinstance(strategy, SyncStrategy)
     assert {kind for kind in EXTENSIONS if isinstance(strategy, kind)} == {
         ShardedConstruction, RunsForwardBackward, Consolidating, OwnsCheckpointState, WritesShardedCheckpoint,
-        EvaluatesInStages, HoldsModelParts, TimesWaits}
+        EvaluatesInStages, HoldsModelParts}
+    assert _overridden(strategy) == {"observe_waits"}
 
 
 def test_parameter_server_is_the_core_plus_pacing_consolidation_and_metrics() -> None:
     strategy = object.__new__(ParameterServerStrategy)  # its constructor joins an RPC group
     strategy.lockstep = False
     assert isinstance(strategy, SyncStrategy)
-    assert {kind for kind in EXTENSIONS if isinstance(strategy, kind)} == {
-        AsynchronousPacing, Consolidating, ReportingMetrics}
+    assert {kind for kind in EXTENSIONS if isinstance(strategy, kind)} == {AsynchronousPacing, Consolidating}
+    assert _overridden(strategy) == {"metrics"}
 
 
 # ------------------------------------------------------------------------------------ strategies to plug in
 
 
-class CoreOnly:
-    """The core protocol and nothing else: every rank applies its own gradient (one process here)."""
+class CoreOnly(StrategyBase):
+    """The core protocol and nothing else (StrategyBase's defaults for its hooks): every rank applies its own
+    gradient (one process here)."""
 
     name = "core_only"
 
@@ -289,7 +300,7 @@ def test_a_core_only_strategy_trains_like_allreduce_with_the_default_behaviours(
     trainer, summary = _train(tmp_path / "core", RAW, CoreOnly(), monkeypatch)
     assert summary["status"] == "completed" and summary["steps_completed"] == 12
     assert summary["strategy"] == {"name": "core_only"}
-    assert summary["communication"]["communicating_steps"] == 0  # no WireMetering: nothing counted
+    assert summary["communication"]["communicating_steps"] == 0  # the default take_wire_stats: nothing counted
     assert [v["step"] for v in summary["validation_history"]] == [4, 8, 12]
     expected = _weights(reference)
     for name, value in _weights(trainer).items():
