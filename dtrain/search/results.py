@@ -113,4 +113,6 @@ def write_results(trials: Sequence[Any], spec: SearchSpec, search_dir: Path, stu
     tensorboard_hparams(records, spec, search_dir / "tensorboard")
     yield f"  results     {search_dir / RESULTS_FILE}; plot {search_dir / PLOT_FILE}"
     yield f"  TensorBoard tensorboard --logdir {search_dir / 'tensorboard'} (HPARAMS tab)"
-    yield f"  Optuna      optuna-dashboard {storage}  (study {study_name!r})"
+    own = {f"sqlite:///{search_dir / 'study.db'}", f"sqlite:///{(search_dir / 'study.db').resolve()}"}
+    shown = search_dir if storage in own else storage  # a search dir's own study: name the dir
+    yield f"  dashboard   dtrain dashboard {shown}  (Optuna study {study_name!r} in the browser)"
