@@ -18,9 +18,11 @@ network (loopback only) and a real S3 (moto keeps objects in memory).
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +42,10 @@ def _state(width: int, blocks: int) -> tuple[Any, dict[str, Any], dict[str, Any]
     time of a training step (batch 64) in seconds."""
     import torch
     import torch.nn.functional as F
-    from model_def import build_wide_mlp
+    wide_mlp = importlib.import_module("model_def")  # examples/wide_mlp, first on sys.path above
 
     torch.manual_seed(0)
-    model = build_wide_mlp(256, width, blocks, 10)
+    model = wide_mlp.build_wide_mlp(256, width, blocks, 10)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     inputs, labels = torch.randn(64, 256), torch.randint(0, 10, (64,))
     times = []
@@ -96,8 +98,10 @@ def main() -> None:
         stores = {"local": CheckpointStore(url=str(Path(tmp) / "local")),
                   "s3": CheckpointStore(url=f"s3://{BUCKET}/bench", options={
                       "endpoint_url": endpoint, "key": KEY, "secret": SECRET})}
-        rows = alternate([(name, lambda repeat, store=store: _round(store, model_state, state, repeat + 1))
-                          for name, store in stores.items()], args.rounds)
+        def one_round(store: Any) -> Callable[[int], dict[str, Any]]:
+            return lambda repeat: _round(store, model_state, state, repeat + 1)
+
+        rows = alternate([(name, one_round(store)) for name, store in stores.items()], args.rounds)
         sizes = {name: stores["local"].size(f"step-{args.rounds}/{name}") for name in ("model.pt", "state.pt")}
     headline: dict[str, Any] = {
         **ratio_headline("s3_over_local_write", rounds_of(rows, "s3", "write_s"), rounds_of(rows, "local", "write_s")),
