@@ -65,8 +65,10 @@ class Heterogeneous(Section):
     gradient is weighted by its share (the loss-scaling contract), so the update is the full-batch gradient."""
 
     split: Literal["auto"] | list[float] = Field(
-        default="auto", description="`auto`: shares proportional to each rank's measured records/s, calibrated in "
-        "the first `calibrate_steps` and re-balanced every `rebalance_every`; or one positive share per rank "
+        default="auto", description="`auto`: measured per rank, calibrated in the first `calibrate_steps` and "
+        "re-balanced every `rebalance_every` toward the split where all ranks finish together (first in "
+        "proportion to records/s, then from each rank's time per batch fitted as fixed + per-record cost); or one "
+        "positive share per rank "
         "(e.g. [3, 1]), scaled to the global batch")
     calibrate_steps: int = Field(default=10, ge=2, description="auto: updates measured (even split) before the "
                                  "first re-balance")

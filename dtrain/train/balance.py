@@ -6,9 +6,12 @@ Speed is this rank's own work: records over the seconds from the start of a batc
 moment its last gradient was accumulated in backward, before any wait for the other ranks; a sleep-based straggler
 (`faults.slow_rank`) and a CPU quota both show in it. After `calibrate_steps` updates on the even split, and every
 `rebalance_every` updates after that, the ranks exchange their median speeds and, when some rank's batch would
-change by more than `tolerance`, all take the new split at the same step (later re-balances move half way to the
-proportional split: a fixed cost per batch makes a rank with a small batch look slower per record, which would
-otherwise feed back into an ever smaller batch). The exactness of the update does not
+change by more than `tolerance`, all take the new split at the same step. The first re-balance cuts in proportion to
+the speeds (exact when a batch's time is proportional to its records); once a rank has been timed at two batch sizes,
+its time per batch is fitted as t = c + b * n (least squares over every size seen) and the split is the one where every
+rank's fitted time is equal. A fixed cost c per batch makes records/s depend on the batch size, so the proportional
+split only creeps toward equal finish times, and the `tolerance` gate can stop it short of them (`equal_finish_split`).
+The exactness of the update does not
 depend on the split: each rank's loss is scaled by world * its share (the contract of dtrain.sync.base), so the
 averaged gradient is the full-batch gradient whatever the split (LB-BSP, Chen et al. 2020; pytorch#67253).
 """
@@ -53,6 +56,42 @@ def initial_split(config: ExperimentConfig, world_size: int) -> BatchSplit:
         return split_global_batch(config.global_batch_size, world_size)
     shares = het.split if isinstance(het.split, list) else [1.0] * world_size
     return proportional_split(config.global_batch_size, shares)
+
+
+FIT_WINDOW = 8  # re-balances whose timings a rank's fit uses: recent enough to follow a rank whose speed changed
+
+
+def fit_batch_time(samples: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
+    """(c, b) of t = c + b * n fitted by least squares to (records n, seconds t) per batch; None unless at least two
+    batch sizes were seen and the time grows with the records (b > 0): a noisy fit then falls back to proportions."""
+    if len({n for n, _ in samples}) < 2:
+        return None
+    mean_n = sum(n for n, _ in samples) / len(samples)
+    mean_t = sum(t for _, t in samples) / len(samples)
+    spread = sum((n - mean_n) ** 2 for n, _ in samples)
+    slope = sum((n - mean_n) * (t - mean_t) for n, t in samples) / spread
+    if slope <= 0:
+        return None
+    return mean_t - slope * mean_n, slope
+
+
+def equal_finish_split(global_batch: int, costs: Sequence[tuple[float, float]]) -> BatchSplit:
+    """The split where every rank's t = c + b * n is equal (sum of n = `global_batch`), with at least one record each:
+    T = (N + sum c/b) / sum 1/b and n = (T - c) / b over the ranks not held at one record, rounded by largest
+    remainders (so each rank is within one record of its exact share)."""
+    held: set[int] = set()
+    while True:
+        free = [r for r in range(len(costs)) if r not in held]
+        if not free:
+            return proportional_split(global_batch, [1.0] * len(costs))
+        records = global_batch - len(held)
+        finish = (records + sum(costs[r][0] / costs[r][1] for r in free)) / sum(1 / costs[r][1] for r in free)
+        exact = {r: (finish - costs[r][0]) / costs[r][1] for r in free}
+        short = {r for r, n in exact.items() if n < 1.0}
+        if not short:
+            break
+        held |= short
+    return proportional_split(global_batch, [1.0 if r in held else exact[r] for r in range(len(costs))])
 
 
 def needs_rebalance(current: Sequence[int], proposed: Sequence[int], tolerance: float) -> bool:
@@ -104,7 +143,8 @@ class SpeedMeter(StepCallback):
 
 
 class Rebalancer:
-    """`split: auto`: decides, on every rank alike, when to move to a split proportional to the measured speeds."""
+    """`split: auto`: decides, on every rank alike, when to move to the split where the ranks finish together (from
+    the speeds measured at every split so far: proportional at first, then an affine fit per rank)."""
 
     def __init__(self, meter: SpeedMeter, topology: Topology, *, global_batch: int, calibrate_steps: int,
                  rebalance_every: int, tolerance: float) -> None:
@@ -115,6 +155,7 @@ class Rebalancer:
         self.rebalance_every = rebalance_every
         self.tolerance = tolerance
         self.speeds: list[float] = []  # every rank's last measured records/s
+        self.timings: list[list[tuple[int, float]]] = []  # per rank: (records, seconds) per batch, last FIT_WINDOW
         self.rebalances = 0
 
     def due(self, updates: int) -> bool:
@@ -132,14 +173,27 @@ class Rebalancer:
         self.speeds = speeds
         if any(speed <= 0 for speed in speeds):
             return None
-        proposed = proportional_split(self.global_batch, speeds)
-        if self.rebalances:  # later re-balances go half way: records/s of a small batch understate a rank's speed
-            halfway = [(old + new) / 2 for old, new in zip(current.per_rank, proposed.per_rank, strict=True)]
-            proposed = proportional_split(self.global_batch, halfway)
+        proposed = self.propose(current.per_rank, speeds)
         if not needs_rebalance(current.per_rank, proposed.per_rank, self.tolerance):
             return None
         self.rebalances += 1
         return proposed
+
+
+    def propose(self, current: Sequence[int], speeds: Sequence[float]) -> BatchSplit:
+        """The equal-finish split from every rank's fitted t = c + b * n once each has been timed at two batch
+        sizes in its last FIT_WINDOW re-balances; otherwise the split proportional to `speeds` (records/s at the
+        `current` sizes), whose only fixed point is also the equal-finish split (n ~ n / t means every t is equal),
+        so a split that has settled there stays, and a rank whose speed changed moves it again."""
+        if not self.timings:
+            self.timings = [[] for _ in current]
+        for samples, records, speed in zip(self.timings, current, speeds, strict=True):
+            samples.append((records, records / speed))
+            del samples[:-FIT_WINDOW]
+        fits = [fit_batch_time(samples) for samples in self.timings]
+        if all(fit is not None for fit in fits):
+            return equal_finish_split(self.global_batch, [fit for fit in fits if fit is not None])
+        return proportional_split(self.global_batch, speeds)
 
 
 class FixedSplit:
