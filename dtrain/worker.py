@@ -12,6 +12,8 @@ exception at the same batch; then it is a user error too. A lost peer exits with
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import logging
 import os
 import sys
@@ -237,9 +239,9 @@ def _serve(run_dir: Path, config: Any, topology: Any, config_dir: Path, spec: St
 
 
 def main(argv: list[str] | None = None, *, quick_exit: bool = False) -> int:
-    """Run one worker and return its exit code; with `quick_exit` (a worker process of its own) a worker that
-    ends the run with a user error, or fails in user code, leaves at once (`os._exit`): tearing down the
-    interpreter with torch in it takes seconds on a busy host, which the agent would wait for."""
+    """Run one worker and return its exit code; with `quick_exit` (a worker process of its own) the worker
+    leaves through `os._exit` once its work is flushed: tearing down the interpreter with torch in it takes
+    seconds on a busy host, which the agent would wait for, and can deadlock in gloo's destructor."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.run_dir is None and (args.config is None or "SLURM_JOB_ID" not in os.environ):
@@ -282,10 +284,17 @@ def main(argv: list[str] | None = None, *, quick_exit: bool = False) -> int:
             return _user_exception(args.run_dir, exc, progress.batches_done())
 
     code = int(guarded() or ExitCode.OK)
+    if quick_exit:
+        gc.disable()  # no collection may free the DDP reducer (and its gloo group) before os._exit below
     from dtrain.comm import shutdown_distributed
 
     shutdown_distributed()
-    if quick_exit and progress.in_user_code:
+    if quick_exit:
+        # A worker process of its own leaves without tearing the interpreter down, whatever its code: freeing a
+        # DDP reducer there destroys its gloo group, whose destructor joins gloo's worker thread while holding
+        # the GIL that thread may need to free a finished collective's tensors (a deadlock seen in CI: a worker
+        # that had written its last checkpoint hung at exit until its launcher gave up).
+        atexit._run_exitfuncs()  # what a normal exit runs first (the metrics writer's drain among them)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
