@@ -371,5 +371,6 @@ def test_error_inside_the_workers_stops_without_restarts(name: str, tmp_path: Pa
         # the run dir, a start line per attempt, the restart, the traceback (header, frame, code, markers, last)
         assert len(lines) == 1 + len(starting) + 1 + len(traceback) + 1 and len(starting) == 2, result.stderr
     assert "exitcode" not in result.stderr and "[rank" not in result.stderr  # torch's lines went to the log
-    assert "failed (exitcode: 2)" in (run_dir / "logs" / "agent.log").read_text()
+    # the agent names the first worker it found failed: the one with the error, or a peer that saw it go first
+    assert "failed (exitcode: " in (run_dir / "logs" / "agent.log").read_text()
     assert summary(run_dir)["status"] == "failed"
