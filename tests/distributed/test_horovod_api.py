@@ -14,6 +14,21 @@ import torch
 from tests.distributed.conftest import run_spawned
 
 
+class _HeldWork:
+    """A transfer that reports itself unfinished until someone waits for it, so that what `poll` says does not
+    depend on how fast the transfer is."""
+
+    def __init__(self, work: Any) -> None:
+        self.work, self.released = work, False
+
+    def is_completed(self) -> bool:
+        return self.released and bool(self.work.is_completed())
+
+    def wait(self) -> Any:
+        self.released = True
+        return self.work.wait()
+
+
 def _sparse_and_async(hvd: Any, size: int, rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     rows = [torch.tensor([[r % 3, 4], [r, 1]]) for r in range(size)]  # (row, column) pairs, repeated across ranks
@@ -25,11 +40,23 @@ def _sparse_and_async(hvd: Any, size: int, rank: int) -> dict[str, Any]:
     out["sparse_sum"] = torch.equal(handle().to_dense(), dense)
     handle = hvd.sparse_allreduce_async(mine, name="sparse.average", op=hvd.Average)
     out["sparse_average"] = torch.allclose(hvd.synchronize(handle).to_dense(), dense / size)
-    big = torch.arange(size * 2**22, dtype=torch.float32)  # 16 MB a rank's share: a transfer of many milliseconds
-    handles = [hvd.reducescatter_async(big * (i + 1), name=f"scatter.{i}", op=hvd.Sum) for i in range(5)]
-    # Posting negotiates with every rank first, so the earlier transfers may be done; the last one was only just
-    # handed to the background and cannot be, unless this process lost the CPU for that long.
-    out["reducescatter_polled_false"] = not hvd.poll(handles[-1])
+    big = torch.arange(size * 2**18, dtype=torch.float32)
+    real_all_reduce, held = torch.distributed.all_reduce, []
+
+    def holding(*args: Any, **kwargs: Any) -> Any:
+        work = real_all_reduce(*args, **kwargs)
+        if kwargs.get("async_op"):
+            work = _HeldWork(work)
+            held.append(work)
+        return work
+
+    torch.distributed.all_reduce = holding  # each transfer reads unfinished until synchronize waits for it
+    try:
+        handles = [hvd.reducescatter_async(big * (i + 1), name=f"scatter.{i}", op=hvd.Sum) for i in range(5)]
+    finally:
+        torch.distributed.all_reduce = real_all_reduce
+    # poll must ask the transfer, never wait for it: a post that waited would have released it
+    out["reducescatter_polled_false"] = len(held) == 5 and not any(hvd.poll(h) for h in handles)
     share = big.shape[0] // size
     out["reducescatter_results"] = all(
         torch.equal(hvd.synchronize(h), (big[rank * share:(rank + 1) * share] * (i + 1) * size))
