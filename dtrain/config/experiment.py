@@ -16,6 +16,7 @@ from dtrain.config.optimizers import LargeBatchSection, TrialOptimizer
 from dtrain.config.parallelism import check_layout
 from dtrain.config.profiling import Profiling
 from dtrain.config.storage import CheckpointStorage, DirectoryStorage, storage_by_type
+from dtrain.config.strategies import RunShape
 from dtrain.config.training import DataLoaderConfig, Reproducibility, Resources, Searcher
 from dtrain.errors import ConfigError
 
@@ -160,7 +161,11 @@ class ExperimentConfig(Section):
 
     @model_validator(mode="after")
     def _parallel_layout(self) -> ExperimentConfig:
-        check_layout(self)
+        shape = RunShape(world_size=self.resources.world_size,
+                         global_batch_size=self.hyperparameters.get("global_batch_size"),
+                         aggregation_frequency=self.optimizations.aggregation_frequency,
+                         batch_size_schedule=self.large_batch.batch_size_schedule is not None)
+        check_layout(self.optimizations, self.distributed, self.compression, shape)
         return self
 
     @property

@@ -4,14 +4,10 @@ a run trains in."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from dtrain.config.compression import Compression
 from dtrain.config.distributed import Distributed, Optimizations
 from dtrain.config.names import PrecisionName
-from dtrain.config.strategies import default_strategy, strategies_where
-
-if TYPE_CHECKING:
-    from dtrain.config.experiment import ExperimentConfig
+from dtrain.config.strategies import RunShape, default_strategy, strategies_where
 
 
 def effective_precision(optimizations: Optimizations) -> PrecisionName:
@@ -26,10 +22,9 @@ def model_parallel_size(distributed: Distributed) -> int:
     return distributed.chosen.model_parallel_size()
 
 
-def check_layout(config: ExperimentConfig) -> None:
+def check_layout(opt: Optimizations, dist: Distributed, compression: Compression, shape: RunShape) -> None:
     """Raise ValueError (one line: value, rule, fix) for a precision, layout or setting the strategy named cannot
     run: the rules every strategy's section declares by value, then the strategy's own `check()`."""
-    opt, dist, compression = config.optimizations, config.distributed, config.compression
     if opt.mixed_precision in ("O1", "O2") and opt.precision == "bf16":
         raise ValueError(f"optimizations.mixed_precision {opt.mixed_precision} (fp16) and optimizations.precision "
                          "bf16 name two precisions; remove one of them")
@@ -49,4 +44,4 @@ def check_layout(config: ExperimentConfig) -> None:
         raise ValueError(f"distributed.heterogeneous re-balances batches where all ranks meet every update with one "
                          f"batch each; strategy {dist.strategy} does not (it paces ranks on its own or splits a batch "
                          "into microbatches): remove one of them")
-    strategy.check(config)
+    strategy.check(shape)

@@ -11,17 +11,26 @@ Tests tie the two: every name of `StrategyName` has a section here and a spec th
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar, Literal
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
 from dtrain.config.base import Section
 from dtrain.config.names import DEFAULT_STRATEGY, ParameterServerMode, PipelineScheduleName, ReduceOp, StrategyName
 
-if TYPE_CHECKING:
-    from dtrain.config.experiment import ExperimentConfig
-
 ALL_OPS: tuple[ReduceOp, ...] = ("average", "sum", "adasum")
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What a strategy's rules read from the rest of the experiment file, taken out of it by value so that the
+    sections below need not know the whole file (which holds them)."""
+
+    world_size: int  # resources.slots_per_trial
+    global_batch_size: object  # hyperparameters.global_batch_size as written (an int when it is one)
+    aggregation_frequency: int  # optimizations.aggregation_frequency
+    batch_size_schedule: bool  # large_batch.batch_size_schedule is set
 
 
 class StrategySection(Section):
@@ -47,7 +56,7 @@ class StrategySection(Section):
         process trains one data replica's batch; none when the strategy runs on one slot as configured."""
         return ()
 
-    def check(self, config: ExperimentConfig) -> None:
+    def check(self, shape: RunShape) -> None:
         """Raise ValueError (one line: value, rule, fix) for a setting elsewhere in the file this strategy cannot
         run with; the shared rules (ops, compression, fp16, uneven batches) are checked before, from the class
         variables."""
@@ -103,14 +112,14 @@ class ParameterServer(StrategySection):
             return ()
         return ("distributed.parameter_server.mode=sync", "distributed.parameter_server.backup_workers=0")
 
-    def check(self, config: ExperimentConfig) -> None:
-        world = config.resources.world_size
+    def check(self, shape: RunShape) -> None:
+        world = shape.world_size
         if self.backup_workers >= world:
             raise ValueError(f"distributed.parameter_server.backup_workers ({self.backup_workers}) must be below "
                              f"resources.slots_per_trial ({world}): each update needs at least one gradient; use "
                              f"0..{world - 1}")
-        if (self.mode != "sync" or self.backup_workers) and (config.optimizations.aggregation_frequency > 1
-                                                             or config.large_batch.batch_size_schedule is not None):
+        if (self.mode != "sync" or self.backup_workers) and (shape.aggregation_frequency > 1
+                                                             or shape.batch_size_schedule):
             how = f"mode `{self.mode}`" if self.mode != "sync" else "backup_workers"
             raise ValueError(f"distributed.parameter_server {how} lets workers run different numbers of batches, so "
                              "optimizations.aggregation_frequency and large_batch.batch_size_schedule do not apply; "
@@ -165,8 +174,8 @@ class Pipeline(StrategySection):
         """One slot holds the whole model: the default strategy trains one pipeline replica's batch."""
         return (f"distributed.strategy={default_strategy()}",)
 
-    def check(self, config: ExperimentConfig) -> None:
-        slots, gbs = config.resources.world_size, config.hyperparameters.get("global_batch_size")
+    def check(self, shape: RunShape) -> None:
+        slots, gbs = shape.world_size, shape.global_batch_size
         if slots % self.stages:
             raise ValueError(f"distributed.pipeline.stages ({self.stages}) must divide resources.slots_per_trial "
                              f"({slots}): each pipeline replica needs {self.stages} slots; use slots_per_trial "
@@ -180,7 +189,7 @@ class Pipeline(StrategySection):
             raise ValueError(f"distributed.pipeline.split_points names {len(self.split_points)} cut(s) "
                              f"({', '.join(self.split_points)}) for {self.stages} stages; name stages - 1 = "
                              f"{self.stages - 1}")
-        if config.optimizations.aggregation_frequency != 1:
+        if shape.aggregation_frequency != 1:
             raise ValueError("optimizations.aggregation_frequency > 1 with strategy pipeline: raise "
                              "distributed.pipeline.microbatches instead (microbatches already accumulate gradients)")
 
@@ -207,8 +216,8 @@ class Hsdp(StrategySection):
         """One slot is one group of one rank."""
         return ("distributed.hsdp.shard_size=null",) if self.shard_size else ()
 
-    def check(self, config: ExperimentConfig) -> None:
-        world = config.resources.world_size
+    def check(self, shape: RunShape) -> None:
+        world = shape.world_size
         if self.shard_size is not None and world % self.shard_size:
             raise ValueError(f"distributed.hsdp.shard_size ({self.shard_size}) must divide "
                              f"resources.slots_per_trial ({world}) into equal shard groups; use a divisor of {world}, "
