@@ -155,8 +155,9 @@ class RunsForwardBackward(Protocol):
     """Owns how one batch's forward and backward passes run (a pipeline schedule over microbatches). Without it
     the Trainer runs the Trial's train_batch on the wrapped model, then backward on the scaled loss."""
 
-    def forward_backward(self, model: nn.Module, batch: Any, train_batch: TrainBatch, *, loss_scale: float,
-                         communicate: bool, phases: ComputePhases) -> Mapping[str, Any]:
+    def forward_backward(self, model: nn.Module, batch: Any, train_batch: TrainBatch, *,
+                         loss_scale: float | torch.Tensor, communicate: bool,
+                         phases: ComputePhases) -> Mapping[str, Any]:
         """Run forward and backward for `batch` and return the Trial's outputs (with a scalar `loss`, the mean
         over this rank's batch). The backward pass must scale the loss by `loss_scale` and, unless
         `communicate`, leave gradients local (as under `no_sync()`)."""

@@ -123,7 +123,7 @@ class PipelineStrategy(StrategyBase):
         self._parts: list[nn.Module] = []
         self._schedule: Any = None
         self._schedule_key: tuple[Any, ...] = ()
-        self._loss_scale = 1.0
+        self._loss_scale: float | torch.Tensor = 1.0
         self._losses: list[torch.Tensor] = []
         self._pipeline_loss: Any = None
         self._stale = False
@@ -185,8 +185,9 @@ class PipelineStrategy(StrategyBase):
 
     # ---------------------------------------------------------------------------------- extensions
 
-    def forward_backward(self, model: nn.Module, batch: Any, train_batch: TrainBatch, *, loss_scale: float,
-                         communicate: bool, phases: ComputePhases) -> Mapping[str, Any]:
+    def forward_backward(self, model: nn.Module, batch: Any, train_batch: TrainBatch, *,
+                         loss_scale: float | torch.Tensor, communicate: bool,
+                         phases: ComputePhases) -> Mapping[str, Any]:
         """Run the schedule over this replica's batch; the last stage's mean loss is broadcast to the pipeline."""
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             raise TrialError("strategy pipeline needs batches of (inputs, targets); the batch was "

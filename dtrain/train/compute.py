@@ -82,13 +82,14 @@ class LocalForwardBackward:
     def __init__(self, strategy: SyncStrategy) -> None:
         self.strategy = strategy
 
-    def forward_backward(self, model: nn.Module, batch: Any, train_batch: TrainBatch, *, loss_scale: float,
-                         communicate: bool, phases: ComputePhases) -> Mapping[str, Any]:
+    def forward_backward(self, model: nn.Module, batch: Any, train_batch: TrainBatch, *,
+                         loss_scale: float | torch.Tensor, communicate: bool,
+                         phases: ComputePhases) -> Mapping[str, Any]:
         model.train()
         with nullcontext() if communicate else self.strategy.no_sync():
             with phases.forward():
                 outputs = train_batch(batch, model)
                 loss = training_loss(outputs)
             with phases.backward():
-                (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+                (loss if isinstance(loss_scale, float) and loss_scale == 1.0 else loss * loss_scale).backward()
         return outputs

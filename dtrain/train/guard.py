@@ -39,6 +39,7 @@ class Verdict:
     apply: bool
     stop: bool
     nonfinite_ranks: tuple[int, ...] = ()
+    overflow: bool = False  # fp16: the loss scaler's shared verdict says skip (the update drops its gradients)
 
 
 def gradients_finite(parameters: Iterable[torch.nn.Parameter]) -> bool:
@@ -46,12 +47,33 @@ def gradients_finite(parameters: Iterable[torch.nn.Parameter]) -> bool:
     gradients non-finite, and that sum is one cheap pass (an inf-norm took 5x as long, a fifth of a small
     model's step); only a non-finite sum, which large finite values can also give by overflowing, is checked
     element by element."""
+    return update_flags(parameters)[0]
+
+
+def update_flags(parameters: Iterable[torch.nn.Parameter],
+                 overflow: torch.Tensor | None = None) -> tuple[bool, bool]:
+    """(gradients finite, fp16 overflow) for this update, in one read from the device: fp16's `overflow` verdict
+    (0-d, 1 = skip) rides with the gradients' sum, and an update that overflowed reads as finite (its gradients are
+    dropped, not judged)."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return True
-    if math.isfinite(float(torch.stack([grad.sum() for grad in grads]).sum())):
-        return True
-    return all(bool(torch.isfinite(grad).all()) for grad in grads)
+    if not grads and overflow is None:
+        return True, False
+    total = torch.stack([grad.sum() for grad in grads]).sum() if grads else None
+    if overflow is None:
+        assert total is not None
+        total_value = float(total)
+    else:
+        pair = [overflow.reshape(()).to(torch.float64)]
+        if total is not None:  # a sharded gradient's sum (a DTensor) is made whole, as float() would make it
+            whole = total.full_tensor() if hasattr(total, "full_tensor") else total
+            pair.append(whole.to(device=overflow.device, dtype=torch.float64))
+        values = torch.stack(pair).tolist()
+        if values[0] > 0:
+            return True, True
+        total_value = values[1] if total is not None else 0.0
+    if math.isfinite(total_value):
+        return True, False
+    return all(bool(torch.isfinite(grad).all()) for grad in grads), False
 
 
 def model_digest(model: torch.nn.Module) -> str:
@@ -118,18 +140,22 @@ class UpdateGuard:
         self.skipped = skipped  # updates skipped in the whole run (carried by checkpoints)
         self.in_a_row = 0
 
-    def decide(self, step: int, parameters: Iterable[torch.nn.Parameter]) -> Verdict:
+    def decide(self, step: int, parameters: Iterable[torch.nn.Parameter],
+               overflow: torch.Tensor | None = None) -> Verdict:
         """The same verdict on every rank for the update after batch `step` (one collective). Where ranks do not
         move in lockstep a collective per update would pair different batches, so each rank decides for its own
-        gradient; a stop request then waits for the next meeting point (report, validation, checkpoint)."""
-        mine = [not gradients_finite(parameters), self.stop.requested]
+        gradient; a stop request then waits for the next meeting point (report, validation, checkpoint).
+        `overflow`: fp16's loss-scaler verdict, already the same on every rank; an overflow is not a non-finite
+        gradient under `nan_policy` (the scaler lowers its scale and the update is skipped: `Verdict.overflow`)."""
+        finite, overflowed = update_flags(parameters, overflow)
+        mine = [not finite, self.stop.requested]
         flags = self._every_ranks(mine) if self.collective else [mine]
         ranks = range(len(flags)) if self.collective else [self.rank]
         bad = tuple(rank for rank, (nonfinite, _) in zip(ranks, flags, strict=True) if nonfinite)
         stop = any(requested for _, requested in flags)
         if not bad:
             self.in_a_row = 0
-            return Verdict(apply=True, stop=stop)
+            return Verdict(apply=True, stop=stop, overflow=overflowed)
         where = f"batch {step}: the gradient on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} is " \
                 "not finite (NaN or infinity)"
         if self.policy == "abort":

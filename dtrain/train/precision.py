@@ -10,6 +10,10 @@ shard), so a rank may find an infinity that another does not; a scale that then 
 replicas drift apart (pytorch/pytorch#136009). Here the found-inf flags are all-reduced (max) before the scaler
 updates its scale, so every rank skips the same updates and keeps the same scale. A skipped update drops the
 gradients (`grad = None`), so every optimizer leaves its parameters and state untouched on every rank.
+
+Nothing here reads a tensor on the host: the scale multiplies the loss as a tensor, the scaler updates its scale
+on the device, and the shared verdict waits for the update guard, whose one read per update carries it beside the
+finite flag (`take_overflow`, `skip_update`).
 """
 
 from __future__ import annotations
@@ -87,8 +91,8 @@ class MixedPrecision:
         self.scaler = scaler
         self.optimizer = optimizer
         self.distributed = distributed
-        self.skipped = 0
-        self.history: list[tuple[float, int]] = []  # (scale used, skipped updates so far) per update
+        self.skipped = 0  # updates skipped for an fp16 overflow
+        self._overflow: torch.Tensor | None = None  # this update's shared verdict (0 or 1), not read yet
         self.modules_in_fp32: list[str] | None = None  # found on the first forward pass
         if precision == "bf16":
             warn_without_native_bf16(device)
@@ -127,8 +131,9 @@ class MixedPrecision:
                 handle.remove()
             self.modules_in_fp32 = found
 
-    def forward_backward(self, model: nn.Module, batch: Any, train_batch: TrainBatch, *, loss_scale: float,
-                         communicate: bool, phases: ComputePhases) -> Mapping[str, Any]:
+    def forward_backward(self, model: nn.Module, batch: Any, train_batch: TrainBatch, *,
+                         loss_scale: float | torch.Tensor, communicate: bool,
+                         phases: ComputePhases) -> Mapping[str, Any]:
         autocast_phases = _AutocastPhases(phases, self.device.type, self.dtype)
         if self.scaler is None:
             with self._watching_output_dtypes(model):
@@ -140,19 +145,35 @@ class MixedPrecision:
                                                   communicate=communicate, phases=autocast_phases)
         if communicate:
             self._unscale_and_agree()
-            self.history.append((scale, self.skipped))
         return {**outputs, "loss_scale": scale}
 
-    def _scale(self) -> float:
-        """The scaler's current scale (its lazily created tensor made on first use)."""
+    def _scale(self) -> torch.Tensor:
+        """The scale this batch's loss is multiplied by: a copy of the scaler's scale as a 0-d tensor on the device
+        (its tensor is made on first use and updated in place after the update, so a copy keeps this batch's)."""
         assert self.scaler is not None
         if self.scaler._scale is None:  # noqa: SLF001 - created by scale(); one zero-cost call makes it
             self.scaler.scale(torch.zeros((), device=self.device))
-        return float(self.scaler.get_scale())
+        scale = self.scaler._scale  # noqa: SLF001 - get_scale() would read it on the host
+        assert scale is not None
+        return scale.detach().reshape(()).clone()
+
+    def take_overflow(self) -> torch.Tensor | None:
+        """This update's verdict, shared by every rank: a 0-d tensor, 1 when some rank's gradients overflowed (the
+        update must be skipped), else 0; None without a scaler or once taken. The update guard reads it."""
+        overflow, self._overflow = self._overflow, None
+        return overflow
+
+    def skip_update(self) -> None:
+        """Drop the gradients of an update that overflowed, so every optimizer leaves its parameters and state
+        untouched on every rank."""
+        self.skipped += 1
+        for group in self.optimizer.param_groups:
+            for parameter in group["params"]:
+                parameter.grad = None
 
     def _unscale_and_agree(self) -> None:
-        """Unscale the gradients, make every rank's found-inf the maximum over the ranks, update the scale; drop
-        the gradients when any rank found an infinity or a NaN (the update is skipped on every rank)."""
+        """Unscale the gradients, make every rank's found-inf the maximum over the ranks and update the scale, all
+        on the device; the verdict waits in `take_overflow` for the update guard."""
         assert self.scaler is not None
         self.scaler.unscale_(self.optimizer)
         found = self.scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"]  # noqa: SLF001
@@ -164,9 +185,5 @@ class MixedPrecision:
             flag.copy_(verdict)
         if not flags:  # no gradient on this rank: give update() the shared verdict to read
             found[self.device] = verdict
-        if float(verdict) > 0:
-            self.skipped += 1
-            for group in self.optimizer.param_groups:
-                for parameter in group["params"]:
-                    parameter.grad = None
+        self._overflow = verdict.reshape(())
         self.scaler.update()

@@ -348,7 +348,10 @@ class Trainer:
         """Apply the update that batch `step` completes, or skip it for a non-finite gradient, on every rank alike."""
         with self.profiler.phase("optimizer"):
             self.callbacks.before_update(step, self.model)
-            verdict = self.guard.decide(step, self.model.parameters())
+            mixed = self.forward_backward if isinstance(self.forward_backward, MixedPrecision) else None
+            verdict = self.guard.decide(step, self.model.parameters(), mixed.take_overflow() if mixed else None)
+            if verdict.overflow and mixed is not None:
+                mixed.skip_update()  # fp16 overflow: every rank drops this update's gradients
             lr = 0.0
             if verdict.apply:
                 lr = self.optimization.rate_for_update(self.update_began_after)

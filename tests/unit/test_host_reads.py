@@ -36,7 +36,7 @@ READS = ("item", "tolist", "cpu", "numpy", "__float__", "__bool__", "__int__", "
 # where a read is allowed: the guard's finite flag (per update), a meeting point (report, validation, checkpoint,
 # the end of the run), the progress line (every scheduling_unit batches: here once), the sampler's index permutation
 # (a CPU tensor by construction, never on the device)
-ALLOWED = {"gradients_finite": "guard", "_meet": "meeting point", "_finish": "end of run",
+ALLOWED = {"gradients_finite": "guard", "update_flags": "guard", "_meet": "meeting point", "_finish": "end of run",
            "__iter__": "sampler (CPU indices)", "_show": "progress line"}
 
 
@@ -77,3 +77,24 @@ def test_a_20_batch_run_reads_no_tensor_per_batch_but_the_guards_flag(
     assert hot == {}
     assert counted_reads["guard"] == BATCHES  # one finite flag per update: the counter sees reads
     assert counted_reads["progress line"] == 1  # the loss shown after batch 20, the one report boundary
+
+
+def test_fp16_loss_scaling_adds_no_read_the_verdict_rides_with_the_guards(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counted_reads: Counter[str]) -> None:
+    """fp16 with its GradScaler: the scale multiplies the loss as a tensor and the overflow verdict is read in the
+    guard's one read per update, so the step reads exactly as often as in fp32."""
+    monkeypatch.syspath_prepend(str(FIXTURES))
+    from digits_trial import DigitsTrial
+
+    raw = copy.deepcopy(RAW)
+    raw["hyperparameters"]["float64"] = False
+    raw["optimizations"] = {"precision": "fp16"}
+    config = load_config(None, raw=raw).config
+    prepare_run_dir(config, tmp_path, FIXTURES)
+    trainer = Trainer(config=config, trial_class=DigitsTrial, topology=ONE_PROCESS, run_info=load_run_info(tmp_path))
+    counted_reads.clear()
+    summary = trainer.fit()
+    assert summary["status"] == "completed" and summary["precision"]["loss_scaling"]
+    hot = {place: count for place, count in counted_reads.items() if place.startswith("hot path")}
+    assert hot == {}
+    assert counted_reads["guard"] == BATCHES
