@@ -24,6 +24,9 @@ from dtrain.runs.store import RunStore
 CONFIG_FILE, RUN_FILE, SUMMARY_FILE = "config.yaml", "run.json", "summary.json"
 # Config sections that may change between a run and its resumption.
 RESUMABLE_CHANGES = ("faults", "debug", "max_restarts", "nan_policy", "max_consecutive_nan_skips")
+# Keys that may change between a run and its resumption because a resumed run keeps its global batch and cuts it
+# over the new workers (dtrain.train.resize): the world size, and the per-worker shares that follow from it.
+RESIZE_KEYS = ("resources.slots_per_trial", "distributed.heterogeneous.split")
 
 
 SEARCH_LINK_FILE = "search-trial.json"  # a search writes it into a trial's run dir before the run starts
@@ -78,7 +81,7 @@ def _differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> 
     found = []
     for key in keys:
         dotted = f"{prefix}{key}"
-        if not prefix and key in RESUMABLE_CHANGES:
+        if (not prefix and key in RESUMABLE_CHANGES) or dotted in RESIZE_KEYS:
             continue
         a, b = old.get(key), new.get(key)
         if isinstance(a, dict) and isinstance(b, dict):

@@ -292,4 +292,6 @@ def local_sgd_summary(described: Mapping[str, Any]) -> str:
     return text + (f", compression {name}" if name and name != "none" else "")
 
 
-SPEC = StrategySpec("local_sgd", build_local_sgd, summary=local_sgd_summary)
+SPEC = StrategySpec("local_sgd", build_local_sgd, summary=local_sgd_summary,
+                    cannot_resize="local SGD and DiLoCo average replicas that each trained `period` updates on its "
+                    "own share with its own optimizer state: the trajectory depends on the number of workers")

@@ -331,4 +331,6 @@ def _serve_config(topology: Topology, config: ExperimentConfig, on_joined: Calla
 
 
 SPEC = StrategySpec("parameter_server", build_parameter_server, summary=parameter_server_summary,
-                    servers=lambda config: config.distributed.parameter_server.servers, serve=_serve_config)
+                    servers=lambda config: config.distributed.parameter_server.servers, serve=_serve_config,
+                    cannot_resize="the servers apply each worker's gradient as it arrives, and their shards and "
+                    "staleness bounds are laid out for the workers there are: the trajectory depends on their number")

@@ -44,13 +44,16 @@ class StrategySpec:
     """One strategy as the rest of dtrain sees it. `name` is its `distributed.strategy` value and the name of its
     config section; `build` makes it on each worker; `servers` counts the processes it needs beside the workers
     (started as the last ranks) and `serve` is what each of them runs; `summary` turns its `describe()` into the
-    run summary's `sync` line."""
+    run summary's `sync` line. `cannot_resize` is None when a run resumed at another world size keeps its math (the
+    full-batch update, its state replicated or resharded); otherwise why it cannot (its trajectory depends on the
+    worker count by design), and such a resume is refused with that reason (docs/checkpoints.md)."""
 
     name: str
     build: StrategyBuilder
     summary: Callable[[Mapping[str, Any]], str] = data_parallel_summary
     servers: Callable[[ExperimentConfig], int] = no_servers
     serve: Serve | None = None
+    cannot_resize: str | None = None
 
     def section(self, config: ExperimentConfig) -> StrategySection:
         """The strategy's settings and rules in `config` (`distributed.<name>`)."""

@@ -249,6 +249,20 @@ def read_latest_name(root: Path | CheckpointStore) -> str | None:
         return None
 
 
+def read_latest_meta(root: Path | CheckpointStore) -> dict[str, Any] | None:
+    """The `meta.json` of the checkpoint `latest` names, without verifying its files; None when there is none or it
+    cannot be read (a resume verifies it anyway)."""
+    store = as_store(root)
+    name = read_latest_name(store)
+    if name is None or _STEP_NAME.fullmatch(name) is None:
+        return None
+    try:
+        meta = json.loads(store.read_bytes(f"{name}/{META_FILE}"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
 def find_resume_checkpoint(root: Path | CheckpointStore) -> CheckpointRef | None:
     """The checkpoint named by `latest` if it verifies, else the newest one that does (with a warning)."""
     store = as_store(root)

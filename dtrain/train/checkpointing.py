@@ -127,6 +127,14 @@ def resume(checkpoint: Checkpoint, root: CheckpointStore, owner: OwnsCheckpointS
     return state
 
 
+def batch_meta(state: TrainerState) -> dict[str, Any]:
+    """What `meta.json` says of the global batch and its data replicas: `dtrain run` checks, before any worker
+    starts, that a resume at another size can split it (dtrain.train.resize)."""
+    if not state.batch_split:
+        return {}
+    return {"global_batch": sum(state.batch_split), "data_replicas": len(state.batch_split)}
+
+
 class CheckpointPolicy:
     """When a checkpoint is written (the schedule's period and the end, after a validation with
     `checkpoint_policy: all`, or with `best` when the searcher metric improved) and which are kept."""
@@ -200,7 +208,8 @@ class Checkpointer:
         contents = {"optimizer": optimizer_state, **optimization.schedule_state(), "strategy": strategy.state_dict(),
                     "trainer": state.to_dict(), "rng": rng_states, "trial": trial_state or {}, **sharded}
         ref = ckpt.write_checkpoint(self.root, step, model_state, contents,
-                                    extra_meta={"world_size": self.topology.world_size, "epoch": epoch, **sharded},
+                                    extra_meta={"world_size": self.topology.world_size, "epoch": epoch, **sharded,
+                                                **batch_meta(state)},
                                     after_model_file=lambda: self.callbacks.during_checkpoint(step))
         self.latest = ref
         ckpt.prune_checkpoints(self.root, self.policy.keep_latest, self.policy.best_steps(state.checkpoint_metrics))

@@ -21,7 +21,7 @@ from torch import nn
 from dtrain.comm import Topology, any_rank, broadcast_object
 from dtrain.comm.shm import ShmAllGather, setup_allgather
 from dtrain.config import ExperimentConfig, effective_precision, model_parallel_size
-from dtrain.data.sharding import BatchSplit, split_by_sizes
+from dtrain.data.sharding import BatchSplit
 from dtrain.data.synthetic import synthetic_replay
 from dtrain.errors import TrialError
 from dtrain.profile import Profiler
@@ -68,6 +68,7 @@ from dtrain.train.optimization import build_optimization
 from dtrain.train.precision import MixedPrecision
 from dtrain.train.progress import Progress
 from dtrain.train.reporting import Reporter, TrainingMetrics, WireMeter
+from dtrain.train.resize import resumed_split
 from dtrain.train.rng import seed_everything
 from dtrain.train.schedule import Schedule, resolve_schedule
 from dtrain.train.stalls import StallWatch
@@ -116,7 +117,10 @@ class Trainer:
         # data replicas: every rank, except that the ranks of one pipeline share a replica's batches
         stages = model_parallel_size(config.distributed)
         replicas, replica = topology.world_size // stages, topology.rank // stages
-        split = batch_split or initial_split(config, replicas)
+        self.checkpoints = agreed_store(run_info.checkpoints, topology)
+        checkpoint = read_checkpoint(self.checkpoints, topology)  # first: its global batch decides the split
+        split = (batch_split or resumed_split(config, replicas, checkpoint.state if checkpoint else None)
+                 or initial_split(config, replicas))
         if len(split.per_rank) != replicas:
             raise ValueError(f"batch_split has {len(split.per_rank)} ranks, the run {replicas} data replicas")
         self.seed = config.reproducibility.experiment_seed
@@ -146,8 +150,6 @@ class Trainer:
         self.strategy: SyncStrategy = build_strategy(config, topology)
         self.model = self._build_model()
         self.profiler = self._build_profiler()
-        self.checkpoints = agreed_store(run_info.checkpoints, topology)
-        checkpoint = read_checkpoint(self.checkpoints, topology)
         if checkpoint is not None:  # before wrapping: the strategy's state may decide how it wraps (bucket size)
             self.strategy.load_state_dict(checkpoint.strategy_state)
         self.wrapped = self.strategy.wrap_model(self.model)
@@ -157,8 +159,8 @@ class Trainer:
         self.state = self._resume(checkpoint) if checkpoint is not None else self._start()
         if checkpoint is not None:
             self.trial.load_state_dict(dict(checkpoint.state.get("trial") or {}))
-        if self.state.batch_split is not None:  # the split the last re-balance chose
-            self.sizes.rebase(split_by_sizes(self.state.batch_split))
+        # every checkpoint records the split (a re-balance's too): a resume at any size keeps its global batch
+        self.state.batch_split = list(self.sizes.base.per_rank)
         self.balancing, meter = build_balancing(config, topology, self.model, lambda: self.sizes.records)
         if meter is not None:
             self.callbacks.register(meter)

@@ -105,6 +105,18 @@ def test_reopening_requires_the_same_config(tmp_path: Path) -> None:
                         tmp_path / "run", Path.cwd())
 
 
+def test_reopening_at_another_world_size_is_allowed_and_every_other_key_still_refused(tmp_path: Path) -> None:
+    """A resume keeps its global batch and cuts it over the new slots (dtrain.train.resize), so the world size may
+    change; a change of it together with another key is still refused, naming the other key."""
+    prepare_run_dir(load_config(None, ["resources.slots_per_trial=2"], raw=RAW).config, tmp_path / "run", Path.cwd())
+    resized = prepare_run_dir(load_config(None, ["resources.slots_per_trial=1"], raw=RAW).config, tmp_path / "run",
+                              Path.cwd())
+    assert resized.resumed and "slots_per_trial: 1" in (tmp_path / "run" / "config.yaml").read_text()
+    with pytest.raises(LaunchError, match=r"different config \(hyperparameters.learning_rate: None -> 0.5\)"):
+        prepare_run_dir(load_config(None, ["resources.slots_per_trial=3", "hyperparameters.learning_rate=0.5"],
+                                    raw=RAW).config, tmp_path / "run", Path.cwd())
+
+
 def test_completed_or_foreign_dirs_are_refused(tmp_path: Path) -> None:
     config = load_config(None, raw=RAW).config
     info = prepare_run_dir(config, tmp_path / "run", Path.cwd())

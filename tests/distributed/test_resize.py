@@ -1,0 +1,93 @@
+"""A run resumed at other world sizes keeps its training (float64, 1e-9 relative): it trains batches 1-2 on 2 slots,
+stops with a checkpoint, resumes on 1 slot for batches 3-4, stops again and ends on 3 slots, and its model equals an
+uninterrupted 2-slot run's. The global batch of 16 is 8/8, then 16, then 6/5/5 (uneven: Determined's even split
+would drop a record at 3 slots); SGD with momentum and a one-cycle LR schedule, so the optimizer state and the
+schedule must carry over too. Each phase is its own spawn, through `prepare_run_dir` as `dtrain run` resumes."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dtrain.comm import Topology
+from dtrain.config import load_config
+from tests.distributed.conftest import fixture_trainer
+from tests.distributed.test_sharded import _relative, _whole
+
+STEPS = 6
+RAW: dict[str, Any] = {
+    "name": "resize", "entrypoint": "digits_trial:DigitsTrial",
+    "hyperparameters": {"global_batch_size": 16, "learning_rate": 0.3, "momentum": 0.9, "float64": True,
+                        "hidden": 16, "one_cycle": True},
+    "searcher": {"metric": "accuracy", "smaller_is_better": False, "max_length": {"batches": STEPS}},
+    "reproducibility": {"experiment_seed": 11},
+    "resources": {"slots_per_trial": 2},
+    "min_validation_period": {"batches": 3},
+}
+# (slots, the batch after which this phase stops with a checkpoint; None: to the end)
+PHASES: tuple[tuple[int, int | None], ...] = ((2, 2), (1, 4), (3, None))
+
+
+def with_slots(raw: dict[str, Any], slots: int, stop_after: int | None) -> dict[str, Any]:
+    out = copy.deepcopy(raw)
+    out["resources"] = {**out.get("resources", {}), "slots_per_trial": slots}
+    if stop_after is not None:
+        out["faults"] = {"stop_after_batch": stop_after}
+    return out
+
+
+def _phase(topology: Topology, raw: dict[str, Any], run_dir: str) -> dict[str, Any]:
+    config = load_config(None, raw=raw).config
+    trainer = fixture_trainer(topology, config, run_dir)
+    start = trainer.state.steps_completed
+    summary = trainer.fit()
+    return {"status": summary["status"], "start": start, "steps": trainer.state.steps_completed,
+            "samples": trainer.state.samples_trained, "split": list(trainer.sizes.base.per_rank),
+            "lr": float(trainer.optimization.optimizer.param_groups[0]["lr"]),
+            "state": _whole(trainer.strategy.unwrap_model())}
+
+
+def resized_runs(spawn: Callable[..., list[Any]], raw: dict[str, Any], root: Path,
+                 phases: tuple[tuple[int, int | None], ...] = PHASES) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every phase's rank results (the last phase's ranks last), and rank 0 of an uninterrupted run at the first
+    phase's size."""
+    results = []
+    for slots, stop_after in phases:
+        ranks = spawn(_phase, slots, with_slots(raw, slots, stop_after), str(root / "resized"), timeout=300)
+        results.append(ranks)
+    uninterrupted = spawn(_phase, phases[0][0], with_slots(raw, phases[0][0], None), str(root / "whole"),
+                          timeout=300)
+    return results, uninterrupted[0]
+
+
+@pytest.fixture(scope="module")
+def allreduce_runs(spawn: Callable[..., list[Any]], tmp_path_factory: pytest.TempPathFactory
+                   ) -> tuple[list[Any], dict[str, Any]]:
+    return resized_runs(spawn, RAW, tmp_path_factory.mktemp("resize-allreduce"))
+
+
+def check_same_training(phases: list[list[dict[str, Any]]], whole: dict[str, Any], splits: list[list[int]]) -> None:
+    """Each phase began where the last stopped, cut the same global batch as `splits` says, and the end equals the
+    uninterrupted run within 1e-9 (and it moved the weights)."""
+    starts = [0] + [stop for _, stop in PHASES[:-1] if stop is not None]
+    for ranks, start, split in zip(phases, starts, splits, strict=True):
+        assert all(rank["start"] == start and rank["split"] == split for rank in ranks), (start, split, ranks[0])
+    last = phases[-1]
+    assert whole["status"] == "completed" and whole["steps"] == STEPS
+    first = phases[0][0]["state"]
+    assert _relative(first, whole["state"]) > 1e-3  # the later phases moved the weights
+    for rank in last:
+        assert rank["status"] == "completed" and rank["steps"] == STEPS
+        assert rank["samples"] == whole["samples"] == STEPS * 16
+        assert rank["lr"] == pytest.approx(whole["lr"], rel=1e-12)  # the schedule carried over
+        assert _relative(rank["state"], whole["state"]) < 1e-9
+
+
+def test_allreduce_resumed_at_other_sizes_equals_the_uninterrupted_run(
+        allreduce_runs: tuple[list[Any], dict[str, Any]]) -> None:
+    phases, whole = allreduce_runs
+    check_same_training(phases, whole, [[8, 8], [16], [6, 5, 5]])
