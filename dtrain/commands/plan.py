@@ -124,6 +124,18 @@ def register(subcommands: Any) -> argparse.ArgumentParser:
     memory.add_argument("--stages", type=int, default=2, help="pipeline stages p for the bubble (default 2)")
     memory.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches m (default 4)")
 
+    losing = plan.add_argument_group("losing workers (an elastic job that keeps its global batch)")
+    losing.add_argument("--lose", type=int, metavar="K", help="what losing K of the --devices workers costs: the step "
+                        "time at the new size and the time to recover (restart + checkpoint load + the steps redone "
+                        "since the last checkpoint)")
+    losing.add_argument("--checkpoint-period", type=int, metavar="STEPS",
+                        help="steps between checkpoints (default --config's min_checkpoint_period in batches, "
+                             "else 100)")
+    losing.add_argument("--restart-s", type=float, default=30.0,
+                        help="seconds to restart the survivors: processes, rendezvous, imports (default 30)")
+    losing.add_argument("--checkpoint-read-gbit", type=float, default=8.0,
+                        help="rate each worker reads the checkpoint at, Gbit/s (default 8, a local NVMe class)")
+
     out = plan.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print JSON instead of text")
     out.add_argument("--sweep", metavar="devices=LIST",
@@ -200,7 +212,8 @@ def _model_from_args(args: argparse.Namespace) -> tuple[ModelSpec, dict[str, Any
         workload = trial_workload(args.config, args.overrides, args.batch_per_device)
         config = load_config(args.config, args.overrides).config
         facts = {"devices": config.resources.world_size, "batch_per_device": workload.batch_size,
-                 "aggregation_frequency": config.optimizations.aggregation_frequency, "workload": workload}
+                 "aggregation_frequency": config.optimizations.aggregation_frequency, "workload": workload,
+                 "checkpoint_period": config.min_checkpoint_period.batches or None}
         return workload.model_spec(), facts
     raise PlanError("name the model: --model resnet50 (presets: resnet50, resnet101, resnet152, vgg16, bert-large), "
                     "--config EXPERIMENT.yaml, or --parameters N")
@@ -299,6 +312,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if per_device is None and args.global_batch is None:
         per_device = facts.get("batch_per_device", 32)
     header = describe_setup(model, compute, topology, strategy)
+    if args.sweep and args.lose is not None:
+        raise PlanError("--lose answers for one --devices count; drop --sweep (or --lose)")
     if args.sweep:
         counts = parse_sweep(args.sweep)
         predictions = sweep_devices(model, compute, topology, strategy, counts, per_device_batch=per_device,
@@ -317,12 +332,36 @@ def run_plan(args: argparse.Namespace) -> int:
     advice = advise(model, compute, topology, strategy, devices, batch, args.target_efficiency)
     memory, memory_text = _memory(args, model, devices, topology.devices_in_a_node(devices))
     uneven, uneven_text = _uneven(args, prediction, devices)
+    losing, losing_text = _losing(args, facts, (model, compute, topology, strategy), prediction)
     if args.json:
         print(json.dumps({"setup": header, "prediction": prediction.to_dict(),
-                          "recommendations": [vars(a) for a in advice], "memory": memory, **uneven}, indent=2))
+                          "recommendations": [vars(a) for a in advice], "memory": memory, **uneven, **losing},
+                         indent=2))
     else:
-        print(header + "\n" + format_prediction(prediction, advice) + "\n" + memory_text + uneven_text)
+        print(header + "\n" + format_prediction(prediction, advice) + "\n" + memory_text + uneven_text + losing_text)
     return ExitCode.OK
+
+
+def _losing(args: argparse.Namespace, facts: dict[str, Any], setup: tuple[Any, Any, Any, Any], prediction: Any
+            ) -> tuple[dict[str, Any], str]:
+    """--lose K: the step time after losing K workers and the time to recover (dtrain.plan.losing)."""
+    from dtrain.plan.losing import RecoveryAssumptions, cost_of_losing, format_loss_cost
+
+    if args.lose is None:
+        return {}, ""
+    devices = prediction.devices
+    if not 1 <= args.lose < devices:
+        raise PlanError(f"--lose {args.lose} of {devices} workers: give 1 <= K < --devices (one must survive)")
+    period = args.checkpoint_period if args.checkpoint_period is not None else facts.get("checkpoint_period") or 100
+    _positive("--checkpoint-period", period)
+    _positive("--checkpoint-read-gbit", args.checkpoint_read_gbit)
+    if args.restart_s < 0:
+        raise PlanError(f"--restart-s {args.restart_s} must be >= 0")
+    assumptions = RecoveryAssumptions(restart_s=args.restart_s, checkpoint_period_steps=period,
+                                      checkpoint_read_bytes_per_s=gbit_per_s_to_bytes_per_s(args.checkpoint_read_gbit),
+                                      optimizer_state=args.optimizer_state)
+    cost = cost_of_losing(*setup, devices, args.lose, prediction.global_batch, assumptions, before=prediction)
+    return {"losing": cost.to_dict()}, "\n" + format_loss_cost(cost)
 
 
 def _uneven(args: argparse.Namespace, prediction: Any, devices: int) -> tuple[dict[str, Any], str]:
