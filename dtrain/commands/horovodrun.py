@@ -12,7 +12,8 @@ from dtrain.errors import ExitCode, LaunchError
 EXAMPLES = """examples:
   dtrain horovodrun -np 2 python train.py --epochs 3
   dtrain horovodrun -np 2 -H localhost:2 --timeline-filename timeline.json python train.py
-  dtrain horovodrun -np 2 --min-np 1 --max-np 2 python elastic_train.py    # restarts on a lost worker
+  dtrain horovodrun -np 3 --min-np 2 --max-np 3 python elastic_train.py    # goes on at 2 if one is lost
+  dtrain horovodrun --min-np 2 --max-np 4 --host-discovery-script ./hosts.sh python elastic_train.py
   dtrain horovodrun -np 4 -H a:2,b:2 --node-rank 0 python train.py         # on host a; --node-rank 1 on b
 """
 
@@ -31,8 +32,8 @@ def register(subcommands: Any) -> argparse.ArgumentParser:
     hosts = parser.add_mutually_exclusive_group()
     hosts.add_argument("-H", "--hosts", help="host:slots,... (local names run here; other hosts need --node-rank)")
     hosts.add_argument("-hostfile", "--hostfile", help="a file with one `host slots=N` or `host:N` per line")
-    hosts.add_argument("--host-discovery-script", help="elastic: a script printing host:slots lines (read once "
-                       "at start; later changes are not followed)")
+    hosts.add_argument("--host-discovery-script", help="elastic: an executable printing host:slots lines (this "
+                       "host's names only), run every second: more slots grow the job at its next commit")
     parser.add_argument("--node-rank", type=int, help="dtrain's addition for several machines: this host's "
                         "position in -H (horovodrun would ssh; dtrain runs the same command on each host)")
     parser.add_argument("-p", "--master-port", "--ssh-port", dest="master_port", type=int, default=29411,
@@ -56,9 +57,10 @@ def register(subcommands: Any) -> argparse.ArgumentParser:
     parser.add_argument("--gloo", action="store_true", help="accepted: gloo is the only controller")
     parser.add_argument("--mpi", action="store_true", help="refused: there is no MPI here")
     parser.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int, help="elastic: fewest processes; "
-                        "a lost worker restarts the job from the last commit")
+                        "a lost worker's peers go on without it from the last commit (Horovod Elastic)")
     parser.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int, help="elastic: most processes")
-    parser.add_argument("--reset-limit", type=int, help="restarts allowed (default 3 when elastic, else 0)")
+    parser.add_argument("--reset-limit", type=int, help="elastic: most changes of size (default: any); without "
+                        "--min-np/--max-np: restarts of every process at the same size (default 0)")
     parser.add_argument("--force", action="store_true", help="use dtrain's horovod even if the real one is "
                         "installed")
     parser.add_argument("--check-build", action="store_true", help="print what this Horovod supports and exit")
@@ -111,5 +113,5 @@ def horovodrun(args: argparse.Namespace) -> int:
                      cycle_time_ms=args.cycle_time_ms, cache_capacity=args.cache_capacity,
                      hierarchical_allreduce=args.hierarchical_allreduce, autotune=args.autotune,
                      min_np=args.min_np, max_np=args.max_np, reset_limit=args.reset_limit, force=args.force,
-                     verbose=args.verbose)
+                     verbose=args.verbose, host_discovery_script=args.host_discovery_script)
     return launch(run)

@@ -20,6 +20,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import HashStore
 
+from dtrain.horovod import membership
+
 Average, Sum, Adasum, Min, Max, Product = 1, 0, 2, 3, 4, 5
 OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
 NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
@@ -117,7 +119,10 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
                          "call hvd.add_process_set(ranks) after init()")
     world = _env_int("HOROVOD_SIZE", "WORLD_SIZE", default=1)
     me = _env_int("HOROVOD_RANK", "RANK", default=0)
-    if not dist.is_initialized():
+    if not dist.is_initialized() and membership.active():  # elastic: the driver's newest generation
+        membership.join(membership.current_generation(), gloo_timeout())
+        STATE.owns_group = True
+    elif not dist.is_initialized():
         if world == 1 and "MASTER_ADDR" not in os.environ:
             dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
         else:
@@ -126,10 +131,9 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
                 os.environ.setdefault("MASTER_PORT", os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"])
             if "HOROVOD_GLOO_IFACE" in os.environ:
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", os.environ["HOROVOD_GLOO_IFACE"])
-            timeout = float(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "300"))
             from datetime import timedelta
 
-            dist.init_process_group("gloo", rank=me, world_size=world, timeout=timedelta(seconds=timeout))
+            dist.init_process_group("gloo", rank=me, world_size=world, timeout=timedelta(seconds=gloo_timeout()))
         STATE.owns_group = True
     STATE.rank, STATE.size = dist.get_rank(), dist.get_world_size()
     STATE.local_size = _env_int("HOROVOD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", default=STATE.size)
@@ -154,6 +158,28 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
     timeline = os.environ.get("HOROVOD_TIMELINE")
     if timeline and timeline != "DYNAMIC":
         start_timeline(timeline)
+
+
+def gloo_timeout() -> float:
+    """Seconds a collective waits for its peers ($HOROVOD_GLOO_TIMEOUT_SECONDS, 300 by default)."""
+    return float(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "300"))
+
+
+def reform() -> None:
+    """Elastic: leave the broken or outgrown process group and join the driver's next membership, so that `rank()`
+    and `size()` answer for the new job (what Horovod's reset does with shutdown and init). Process sets other than
+    the global one are dropped, as Horovod drops them on a reset."""
+    if STATE.initialized:
+        from dtrain.horovod import ops
+
+        ops.forget_pending()
+    if dist.is_initialized():
+        dist.destroy_process_group()  # closes this rank's connections, so peers blocked on it fail too
+    sets = {key: value for key, value in STATE.sets.items() if key != 0}
+    for process_set in sets.values():
+        process_set.process_set_id, process_set.group = None, None
+    STATE.initialized = False
+    init()
 
 
 def shutdown() -> None:

@@ -1,12 +1,15 @@
-"""`hvd.elastic`: training that survives a lost worker, on torchrun's restarts.
+"""`hvd.elastic`: training that survives a lost worker and follows a changing number of workers.
 
-Horovod recovers inside the surviving processes: on `HorovodInternalError` it rolls the state back to the last
-`commit()`, re-forms the ring and goes on (a mode with known deadlocks, horovod#3494, #3264). Here the elastic
-agent of torchrun (under `dtrain horovodrun --min-np/--max-np`, or any `--max-restarts`) restarts every worker
-when one dies, and `commit()` also writes the committed state to disk (rank 0, atomically); the restarted
-`@hvd.elastic.run` function loads it before the first `sync()`, so training continues from the last commit
-with the same model, optimizer, sampler position and counters. Within one attempt `HorovodInternalError`
-still rolls back to the last commit and retries, as in Horovod.
+Under `dtrain horovodrun --min-np/--max-np` (the elastic driver, `elastic_driver.py`) it works as Horovod's does,
+inside the surviving processes: a collective that breaks because a peer died raises on the survivors, which roll
+the state back to the last `commit()`, re-form the process group at the new size (`basics.reform`), call the reset
+callbacks, sync the state from the new rank 0 and run the function again, with `hvd.size()` answering the new
+size. When the driver has taken in more workers (the host discovery script reported more slots), `commit()`
+raises `HostsUpdatedInterrupt` on every rank together and the job re-forms larger at that commit.
+
+Under torchrun's restarts instead (`--reset-limit N` without `--min-np/--max-np`) every worker is restarted at the
+same size; `commit()` then also writes the committed state to disk (rank 0, atomically) and the restarted
+`@hvd.elastic.run` function loads it before the first `sync()`.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from dtrain.horovod import basics, state
+from dtrain.horovod import basics, membership, state
 from dtrain.horovod.basics import HorovodInternalError, HostsUpdatedInterrupt
 
 
@@ -47,9 +51,10 @@ class State:
             callback()
 
     def commit(self) -> None:
-        """Remember the state as the point to return to after a failure (in memory and, on rank 0, on disk)."""
+        """Remember the state as the point to return to after a failure (in memory; on rank 0 also on disk when
+        the job restarts through torchrun), then check whether the job's membership changed."""
         self.save()
-        if basics.rank() == 0:
+        if basics.rank() == 0 and not membership.active():
             path = state_file()
             path.parent.mkdir(parents=True, exist_ok=True)
             partial = path.with_suffix(".partial")
@@ -58,7 +63,15 @@ class State:
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """Hosts are fixed within an attempt under torchrun: a change arrives as a restart instead."""
+        """Raise `HostsUpdatedInterrupt` on every rank together when the elastic driver has announced a newer
+        membership (rank 0 reads it and broadcasts it, so all ranks decide alike). Under torchrun's restarts
+        the hosts are fixed within an attempt."""
+        if not membership.active():
+            return
+        newest = torch.tensor([membership.latest_generation() if basics.rank() == 0 else -1])
+        dist.broadcast(newest, 0)
+        if int(newest) > membership.current_generation():
+            raise HostsUpdatedInterrupt(skip_sync=False)
 
     def save(self) -> None:
         raise NotImplementedError
@@ -202,10 +215,12 @@ class TorchState(ObjectState):
             self._samplers[name].load_state_dict(values)
 
     def sync(self) -> None:
-        if self.model is not None:
-            state.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        # the optimizer first: a worker that joins with no optimizer state takes a zero-gradient step to create
+        # it, which may move its weights (weight decay); the parameters broadcast after it overwrite them
         if self.optimizer is not None:
             state.broadcast_optimizer_state(self.optimizer, root_rank=0)
+        if self.model is not None:
+            state.broadcast_parameters(self.model.state_dict(), root_rank=0)
         if self._samplers:
             positions = state.broadcast_object({n: s.state_dict() for n, s in self._samplers.items()}, 0,
                                                name="ElasticSampler")
@@ -222,24 +237,40 @@ class TorchState(ObjectState):
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorate `train(state, ...)`: load the last committed state if an earlier attempt left one, sync it from
-    rank 0, run; on HorovodInternalError roll back to the last commit and run again."""
+    """Decorate `train(state, ...)`: sync the state from rank 0 and run it. On a failed collective
+    (`HorovodInternalError`, or gloo's error when a peer is gone) roll back to the last commit; on
+    `HostsUpdatedInterrupt` keep the state; then, under the elastic driver, re-form the job at its new size, call
+    the reset callbacks and run again. Under torchrun's restarts the last commit written to disk is loaded
+    first."""
 
     @functools.wraps(func)
     def wrapper(elastic_state: State, *args: Any, **kwargs: Any) -> Any:
         if not basics.is_initialized():
             basics.init()
         path = state_file()
-        if basics.rank() == 0 and path.is_file():
+        if not membership.active() and basics.rank() == 0 and path.is_file():
             elastic_state._load(torch.load(path, weights_only=False))
+        skip_sync = False
         while True:
-            elastic_state.sync()
             try:
+                if not skip_sync:
+                    elastic_state.sync()
                 return func(elastic_state, *args, **kwargs)
             except HorovodInternalError:
                 elastic_state.restore()
-            except HostsUpdatedInterrupt:
-                pass
+                skip_sync = False
+            except HostsUpdatedInterrupt as interrupt:
+                skip_sync = interrupt.skip_sync
+            except RuntimeError as error:
+                if not (membership.active() and membership.is_collective_failure(error)):
+                    raise
+                elastic_state.restore()
+                skip_sync = False
+            if membership.active():
+                try:
+                    basics.reform()
+                except membership.RemovedFromJob:
+                    raise SystemExit(0) from None
             elastic_state.on_reset()
 
     return wrapper

@@ -39,6 +39,7 @@ class HorovodRun:
     min_np: int | None = None
     max_np: int | None = None
     reset_limit: int | None = None
+    host_discovery_script: str | None = None
     force: bool = False
     verbose: bool = False
 
@@ -134,12 +135,31 @@ def layout(run: HorovodRun) -> tuple[int, int, int, str]:
 
 
 def discover_hosts(script: str) -> list[tuple[str, int]]:
-    """Run a host discovery script once (horovodrun --host-discovery-script); one `host:slots` per line."""
+    """Run a host discovery script (horovodrun --host-discovery-script): one `host:slots` (or `host`, 1 slot)
+    per line; anything else is refused with the line it printed."""
+    if not os.path.isfile(script):
+        raise LaunchError(f"--host-discovery-script {script}: no such file; give the path of an executable that "
+                          "prints host:slots lines")
+    if not os.access(script, os.X_OK):
+        raise LaunchError(f"--host-discovery-script {script} is not executable: chmod +x {script}")
     try:
-        output = subprocess.run([script], capture_output=True, text=True, check=True, timeout=60).stdout
+        output = subprocess.run([os.path.abspath(script)], capture_output=True, text=True, check=True,
+                                timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as error:
-        raise LaunchError(f"host discovery script {script!r} failed: {error}") from None
-    return parse_hosts(output)
+        raise LaunchError(f"--host-discovery-script {script} failed: {error}") from None
+    hosts = []
+    for line in output.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, colon, count = line.rpartition(":") if ":" in line else (line, "", "1")
+        if not name or any(c.isspace() for c in name) or not count.isdigit() or int(count) < 1:
+            raise LaunchError(f"--host-discovery-script {script} printed {line!r}: each line must be host:slots "
+                              "with slots >= 1, e.g. localhost:2")
+        hosts.append((name, int(count)))
+    if not hosts:
+        raise LaunchError(f"--host-discovery-script {script} printed no hosts: it must print host:slots lines")
+    return hosts
 
 
 def launch(run: HorovodRun) -> int:
@@ -149,6 +169,10 @@ def launch(run: HorovodRun) -> int:
 
     from dtrain.launch import _loopback_rendezvous, _quiet_torch_elastic_loggers
 
+    if run.elastic:  # Horovod Elastic: the job follows its members (elastic_driver.py), not torchrun's restarts
+        from dtrain.horovod.elastic_driver import launch_elastic
+
+        return launch_elastic(run, run.host_discovery_script)
     nodes, nproc, node_rank, master = layout(run)
     keep_alive: list[object] = []
     rdzv_configs: dict[str, object]
@@ -170,7 +194,7 @@ def launch(run: HorovodRun) -> int:
     os.environ.update(environment(run, state_dir))
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(threads_per_process(nproc, os.environ))
-    restarts = run.reset_limit if run.reset_limit is not None else (3 if run.elastic else 0)
+    restarts = run.reset_limit if run.reset_limit is not None else 0
     run_id = state_dir.name if nodes == 1 else f"dtrain-horovodrun-{master}-{run.master_port}"  # the same on every host
     config = LaunchConfig(min_nodes=nodes, max_nodes=nodes, nproc_per_node=nproc, run_id=run_id,
                           rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs,

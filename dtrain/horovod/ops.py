@@ -164,6 +164,13 @@ _HANDLES: dict[int, _Pending] = {}
 _NEXT = [0]
 
 
+def forget_pending() -> None:
+    """Drop every async op not yet synchronized and the join count (elastic: the process group they ran on is
+    gone, and a new membership starts counting negotiations afresh on every rank)."""
+    _HANDLES.clear()
+    JOIN.joined, JOIN.cycle = False, 0
+
+
 def _submit(name: str, finish: Callable[[], Any], work: Any = None) -> int:
     if any(p.name == name for p in _HANDLES.values()):
         raise ValueError(f"a collective named '{name}' is still pending on this rank: synchronize it first or use "

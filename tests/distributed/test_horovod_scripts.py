@@ -80,10 +80,12 @@ def _worker_pids(root: int, script: str) -> list[int]:
     return pids
 
 
-def test_elastic_trainer_survives_a_killed_worker(tmp_path: Path) -> None:
+def test_restarting_trainer_survives_a_killed_worker(tmp_path: Path) -> None:
+    """Without --min-np/--max-np, --reset-limit restarts every process at the same size through torchrun, and
+    the @hvd.elastic.run function resumes from the commit written to disk."""
     progress, results = tmp_path / "progress.jsonl", tmp_path / "final.json"
     script = str(SCRIPTS / "elastic_train.py")
-    process = subprocess.Popen([*HOROVODRUN, "-np", "2", "--min-np", "2", "--max-np", "2", "python", script,
+    process = subprocess.Popen([*HOROVODRUN, "-np", "2", "--reset-limit", "3", "python", script,
                                 "--epochs", "2", "--sleep", "0.05", "--progress", str(progress),
                                 "--results", str(results)], cwd=tmp_path, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env=subprocess_env())
@@ -102,3 +104,47 @@ def test_elastic_trainer_survives_a_killed_worker(tmp_path: Path) -> None:
     assert (resumed["epoch"], resumed["batch"]) > (0, 1), "the restart began from scratch, not from the commit"
     final = json.loads(results.read_text())
     assert final["epochs"] == 2 and final["trained"] == 2 * 16  # 512 samples / (16 x 2 ranks) per epoch
+
+
+RESIZE = str(SCRIPTS / "elastic_resize.py")
+
+
+def test_elastic_job_loses_one_of_three_and_finishes_at_two(tmp_path: Path) -> None:
+    log, summary = tmp_path / "log.jsonl", tmp_path / "summary.json"
+    done = _run(["-np", "3", "--min-np", "2", "--max-np", "3", "python", RESIZE, "--lose-rank", "2",
+                 "--lose-at-batch", "7", "--commit-every", "3", "--log", str(log), "--summary", str(summary)],
+                tmp_path, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 2" in done.stderr and "exited with code -9" in done.stderr
+    final = json.loads(summary.read_text())
+    assert final["sizes_after_reset"] == [2] and final["size"] == 2
+    assert final["lr"] == pytest.approx(0.02 * 2)  # the reset callback rescaled the learning rate
+    assert final["epochs"] == 2 and final["seen"] == 2 * 576  # every sample of each epoch once: no batch redone
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len({line["pid"] for line in lines}) == 1, "rank 0 was restarted instead of going on"
+    at_two = [line for line in lines if line["size"] == 2]
+    assert [line["size"] for line in lines] == [3] * (len(lines) - len(at_two)) + [2] * len(at_two)
+    assert (at_two[0]["epoch"], at_two[0]["batch"]) == (0, 7), "size 2 did not resume from the commit at batch 6"
+
+
+def test_elastic_job_grows_when_discovery_reports_more_slots(tmp_path: Path) -> None:
+    slots, script = tmp_path / "slots.txt", tmp_path / "discover.sh"
+    slots.write_text("localhost:2\n")
+    script.write_text(f"#!/bin/sh\ncat {slots}\n")
+    script.chmod(0o755)
+    log, summary = tmp_path / "log.jsonl", tmp_path / "summary.json"
+    process = subprocess.Popen([*HOROVODRUN, "--min-np", "2", "--max-np", "3", "--host-discovery-script", str(script),
+                                "python", RESIZE, "--pause", "0.05", "--log", str(log), "--summary", str(summary)],
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=subprocess_env())
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and (not log.is_file() or len(log.read_text().splitlines()) < 2):
+        time.sleep(0.1)
+    slots.write_text("localhost:3\n")
+    out, err = process.communicate(timeout=400)
+    assert process.returncode == 0, err[-3000:]
+    final = json.loads(summary.read_text())
+    assert final["sizes_after_reset"] == [3] and final["size"] == 3 and final["lr"] == pytest.approx(0.02 * 3)
+    assert final["epochs"] == 2 and final["seen"] == 2 * 576
+    sizes = [json.loads(line)["size"] for line in log.read_text().splitlines()]
+    assert sizes[0] == 2 and sizes[-1] == 3 and sizes == sorted(sizes)

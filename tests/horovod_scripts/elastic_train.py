@@ -1,9 +1,10 @@
 """An elastic trainer in the style of Horovod's elastic docs: TorchState holding the model, the optimizer, an
 ElasticSampler and the epoch/batch counters; `@hvd.elastic.run` around the training loop; `state.commit()`
-every few batches. A worker that dies takes the job down, the launcher restarts it, and training resumes from
-the last commit instead of from the start.
+every few batches. Under `--reset-limit` (torchrun's restarts) a worker that dies takes the job down, the launcher
+restarts it, and training resumes from the last commit instead of from the start; under `--min-np/--max-np` the
+survivors go on without it (see elastic_resize.py).
 
-    dtrain horovodrun -np 2 --min-np 2 --max-np 2 python tests/horovod_scripts/elastic_train.py
+    dtrain horovodrun -np 2 --reset-limit 3 python tests/horovod_scripts/elastic_train.py
 """
 
 import argparse
