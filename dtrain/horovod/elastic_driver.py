@@ -157,8 +157,8 @@ def _reap(job: Job) -> bool:
             if job.finished:
                 job.failed_at_end = True
             rank = job.members.index(worker_id) if worker_id in job.members else "?"
-            print(f"dtrain horovodrun: rank {rank} (pid {process.pid}) exited with code {code}; the job goes on "
-                  "without it", file=sys.stderr, flush=True)
+            print(f"dtrain horovodrun: rank {rank} (pid {process.pid}) exited with code {code}", file=sys.stderr,
+                  flush=True)
     return failed
 
 
@@ -207,6 +207,12 @@ def drive(command: list[str], limits: ElasticLimits, slots_now: Callable[[], int
                 return 1
             job.resets += 1
             job.leaving.update(alive[wanted:])
+            if any(w not in job.workers for w in job.members):
+                change = f"goes on at {len(members)} process(es) from its last commit"
+            else:
+                change = f"{'grows' if len(members) > len(job.members) else 'shrinks'} to {len(members)} " \
+                         "process(es) at its next commit"
+            print(f"dtrain horovodrun: the job {change}", file=sys.stderr, flush=True)
             _change_to(job, members, fresh)
     except KeyboardInterrupt:
         _stop_all(job)
