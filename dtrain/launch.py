@@ -68,6 +68,7 @@ class LaunchResult:
     message: str | None = None
     chief: bool = True
     traceback: str | None = None  # the user's frames of an exception in user code, printed before the message
+    signal: str | None = None  # INTERRUPTED: the signal the agent received (SIGTERM, SIGINT, SIGUSR1, ...)
 
 
 def ran_rank_zero(returned: object) -> bool:
@@ -78,6 +79,9 @@ def ran_rank_zero(returned: object) -> bool:
 MALLOC_MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's own ceiling for its adaptive threshold
 _MALLOC_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
 _USER_MALLOC_SETTINGS = {name: os.environ[name] for name in _MALLOC_SETTINGS if name in os.environ}
+# The signals the agent passes on to the workers, which checkpoint and stop: torch's default list and SIGUSR1 (the
+# checkpoint-and-requeue request under Slurm), which would otherwise kill the agent and leave the workers running
+AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
 def malloc_environment(trim_threshold_mb: int | None, user_settings: dict[str, str] | None = None) -> dict[str, str]:
@@ -139,7 +143,7 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
     launch_config = LaunchConfig(
         min_nodes=node.nnodes, max_nodes=node.nnodes, nproc_per_node=nproc, run_id=run_id,
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs, max_restarts=config.max_restarts,
-        monitor_interval=0.2, local_addr=local_addr,
+        monitor_interval=0.2, local_addr=local_addr, signals_to_handle=AGENT_SIGNALS,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "agent")))
     args = ("-u", "-m", "dtrain.worker", "--run-dir", str(run_dir))
     try:
@@ -151,7 +155,7 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
         what = f"training up to {kept} is kept" if kept else "no checkpoint was written yet"
         return LaunchResult(ExitCode.INTERRUPTED, f"interrupted by {signal_name}; the workers stopped at the next "
                             f"update with a checkpoint where they could, and {what}: run the same command with "
-                            f"--run-dir {run_dir} to resume")
+                            f"--run-dir {run_dir} to resume", signal=signal_name)
     except ChildFailedError as exc:
         fatal = read_fatal(run_dir, run_id)
         if fatal is not None:

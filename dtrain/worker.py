@@ -16,6 +16,7 @@ import atexit
 import gc
 import logging
 import os
+import signal
 import sys
 import traceback
 from dataclasses import dataclass
@@ -140,7 +141,28 @@ def run_worker(args: argparse.Namespace, progress: _Progress | None = None) -> i
         progress.trainer = trainer
     trainer.fit()
     barrier()
-    return ExitCode.INTERRUPTED if trainer.status == "interrupted" else ExitCode.OK
+    if trainer.status != "interrupted":
+        return ExitCode.OK
+    if launch.launcher == "slurm":  # one process per slot: no `dtrain run` to requeue the job, rank 0 does
+        for sig in (signal.SIGTERM, signal.SIGUSR1):  # the checkpoint is written: the requeue's SIGTERM ends nothing
+            signal.signal(sig, signal.SIG_IGN)
+        if topology.is_chief:
+            _requeue_if_asked(run_dir, getattr(trainer, "stop", None))
+        barrier()  # no rank leaves before rank 0 has requeued: srun --kill-on-bad-exit would kill it on the way
+    return ExitCode.INTERRUPTED
+
+
+def _requeue_if_asked(run_dir: Path, stop: Any) -> None:
+    """Rank 0 of a Slurm job started per slot, once every rank has stopped with the checkpoint on a signal: when
+    Slurm preempted the job or the signal was SIGUSR1, record the preemption and requeue the job (`dtrain run`
+    does this itself in the one-per-node form)."""
+    from dtrain.comm import slurm
+
+    received = getattr(stop, "received", None)
+    line = slurm.requeue_after_stop(run_dir, os.environ, received.name if received is not None else None,
+                                    getattr(stop, "received_at", None))
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _search_advisor(run_dir: Path) -> Any:

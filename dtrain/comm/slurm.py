@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 from dtrain.errors import LaunchError
 
 DEFAULT_PORT_BASE = 20000  # MASTER_PORT when not exported: 20000 + job id mod 20000, the same in every task
+# The signal that asks for a checkpoint and a requeue (`scancel --signal=USR1`, `sbatch --signal=[B:]USR1@N`), as
+# submitit and Lightning read it; SIGTERM requeues only when Slurm preempted the job (a plain scancel ends it).
+REQUEUE_SIGNAL = "SIGUSR1"
 
 
 def in_job_step(environ: Mapping[str, str]) -> bool:
@@ -91,3 +96,29 @@ def preempted(environ: Mapping[str, str]) -> bool:
     """Whether Slurm selected this job for preemption (`scontrol show job` gives it a PreemptTime): the SIGTERM
     that stopped the workers was the preemption's, not a user's scancel."""
     return preempt_time(environ) is not None
+
+
+def requeue_after_stop(run_dir: Path, environ: Mapping[str, str], signal_name: str | None,
+                       received_at: float | None) -> str | None:
+    """After this job's workers stopped on a signal with a checkpoint in `run_dir`: when Slurm preempted the job
+    (it has a PreemptTime) or the signal was SIGUSR1, record what the stop cost (`runs/preemptions.py`: seconds
+    from Slurm's PreemptTime, else from `received_at`, when rank 0 got the signal, to the checkpoint on disk) and
+    requeue the job (`scontrol requeue`: a job that ends by itself is not requeued by Slurm). Returns the line to
+    print; None outside a job step, or after a plain scancel or Ctrl-C (the job just ends)."""
+    from dtrain.runs.preemptions import record_preemption
+
+    if not in_job_step(environ):
+        return None
+    preempted_at = preempt_time(environ)
+    if preempted_at is None and signal_name != REQUEUE_SIGNAL:
+        return None
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the requeue's own SIGTERM: this process ends by itself now
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # and a repeated request is already answered
+    job = environ["SLURM_JOB_ID"]
+    record_preemption(run_dir, job, preempted_at if preempted_at is not None else received_at, signal_name)
+    why = "preempted by Slurm" if preempted_at is not None else f"{signal_name} (checkpoint and requeue)"
+    failed = requeue(environ)
+    if failed:
+        return (f"dtrain: error: {why}, but `scontrol requeue {job}` failed: {failed}; resubmit the job with the "
+                f"same run dir {run_dir} to resume")
+    return f"dtrain: {why}: job {job} requeued (scontrol requeue); it resumes from {run_dir} when it starts again"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 from collections.abc import Mapping
@@ -18,8 +17,8 @@ DESCRIPTION = ("Train the experiment a YAML file describes, with one worker proc
                f"when workers failed; {ExitCode.USER_ERROR} for a config, data, checkpoint or Trial error or a "
                f"diverged run; {ExitCode.STOPPED} when stopped early (resumable; a search's trial stopped by its "
                f"searcher too); {ExitCode.INVALID_HP} when the Trial rejected its hyperparameters (InvalidHP); "
-               f"{ExitCode.INTERRUPTED} when "
-               "interrupted (Ctrl-C or SIGTERM: the workers checkpoint after the batch they are on; resumable).")
+               f"{ExitCode.INTERRUPTED} when interrupted (Ctrl-C, SIGTERM or SIGUSR1: the workers checkpoint after the "
+               "batch they are on; resumable).")
 
 
 def register(subcommands: Any) -> argparse.ArgumentParser:
@@ -74,7 +73,6 @@ def run_experiment(args: argparse.Namespace) -> int:
     from dtrain.determined.entrypoint import load_trial
     from dtrain.determined.experiment import single_searcher_draw
     from dtrain.launch import NodeSpec, launch_workers
-    from dtrain.runs.preemptions import read_preemptions
     from dtrain.runs.rundir import SUMMARY_FILE, prepare_run_dir, read_summary, write_json_atomic
     from dtrain.runs.storage import prepare_storage
     from dtrain.runs.store import RunStore
@@ -121,7 +119,7 @@ def run_experiment(args: argparse.Namespace) -> int:
     started = time.time()
     result = launch_workers(info.run_dir, config, node)
     if result.exit_code == ExitCode.INTERRUPTED and node.node_rank == 0:
-        _requeue_if_preempted(info.run_dir, os.environ)
+        _requeue_if_preempted(info.run_dir, os.environ, result.signal)
     summary = read_summary(info.run_dir) or {}
     if result.exit_code != ExitCode.OK:
         if result.traceback:  # an exception in user code: its user frames, once, above the one line
@@ -141,10 +139,6 @@ def run_experiment(args: argparse.Namespace) -> int:
         return ExitCode.OK
     if config.is_command:
         summary = _command_summary(info, summary, started, config.resources.world_size)
-    preemptions = read_preemptions(info.run_dir)
-    if preemptions:  # a Slurm job requeued after preemptions: what each cost, in the summary too
-        summary = {**summary, "preemptions": preemptions}
-        write_json_atomic(info.run_dir / SUMMARY_FILE, summary)
     _print_summary(info.run_dir, info.experiment_id, summary, time.time() - started)
     return ExitCode.OK if summary.get("status") == "completed" else ExitCode.STOPPED
 
@@ -183,25 +177,16 @@ def _node_options_from_slurm(args: argparse.Namespace, environ: Mapping[str, str
         args.run_dir = slurm_run_dir(name, environ["SLURM_JOB_ID"], args.node_rank)
 
 
-def _requeue_if_preempted(run_dir: Path, environ: Mapping[str, str]) -> None:
-    """In a Slurm job that was preempted (its workers stopped with a checkpoint at the SIGTERM), requeue the job:
+def _requeue_if_preempted(run_dir: Path, environ: Mapping[str, str], signal_name: str | None) -> None:
+    """In a Slurm job that was preempted or sent SIGUSR1 (its workers stopped with a checkpoint), requeue the job:
     it starts again with the same id, so in the same run dir, and resumes from that checkpoint."""
     from dtrain.comm import slurm
-    from dtrain.runs.preemptions import record_preemption
+    from dtrain.runs.rundir import read_summary
 
-    signalled = slurm.preempt_time(environ) if slurm.in_job_step(environ) else None
-    if signalled is None:
-        return
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the requeue's own SIGTERM: this process ends by itself now
-    job = environ["SLURM_JOB_ID"]
-    record_preemption(run_dir, job, signalled)
-    failed = slurm.requeue(environ)
-    if failed:
-        print(f"dtrain: error: preempted by Slurm, but `scontrol requeue {job}` failed: {failed}; resubmit the job "
-              f"with the same --run-dir {run_dir} to resume", file=sys.stderr)
-    else:
-        print(f"dtrain: preempted by Slurm: job {job} requeued (scontrol requeue); it resumes from {run_dir} when it "
-              "starts again", file=sys.stderr)
+    stopped = (read_summary(run_dir) or {}).get("stop_signal") or {}
+    line = slurm.requeue_after_stop(run_dir, environ, stopped.get("name") or signal_name, stopped.get("received_at"))
+    if line is not None:
+        print(line, file=sys.stderr)
 
 
 # Kubeflow sets these in every pod for torchrun; `dtrain run` reads them too. A v1 PyTorchJob (training-operator)

@@ -11,13 +11,14 @@ from typing import Any
 PREEMPTIONS_FILE = "preemptions.jsonl"
 
 
-def record_preemption(run_dir: Path, job: str, signalled_at: float | None) -> dict[str, Any]:
-    """Append this preemption: the job, when Slurm signalled it (`signalled_at`, epoch seconds, whole seconds as
-    scontrol gives them), the checkpoint the workers left (`checkpoints/latest`) and when it was complete on disk.
-    A checkpoint from before the signal means the batches after it are done again: their number is unknown here
+def record_preemption(run_dir: Path, job: str, signalled_at: float | None, signal: str | None = None) -> dict[str, Any]:
+    """Append this preemption: the job, the signal that stopped the workers (SIGTERM, SIGUSR1), when it was sent
+    (`signalled_at`, epoch seconds: Slurm's PreemptTime, whole seconds as scontrol gives them, or when rank 0
+    received it), the checkpoint the workers left (`checkpoints/latest`) and when it was complete on disk. A
+    checkpoint from before the signal means the batches after it are done again: their number is unknown here
     (None); one written after it is the batch the workers stopped at, so nothing is redone."""
     latest = run_dir / "checkpoints" / "latest"
-    entry: dict[str, Any] = {"job": job, "signalled_at": signalled_at, "checkpoint": None,
+    entry: dict[str, Any] = {"job": job, "signal": signal, "signalled_at": signalled_at, "checkpoint": None,
                              "seconds_to_checkpoint": None, "batches_redone": None}
     if latest.is_file():
         written = latest.stat().st_mtime

@@ -91,13 +91,16 @@ def model_digest(model: torch.nn.Module) -> str:
 
 
 class GracefulStop:
-    """While active, SIGINT and SIGTERM only ask the loop to stop at the next update (after a checkpoint);
-    a second signal, a second or more later, interrupts at once (KeyboardInterrupt)."""
+    """While active, SIGINT, SIGTERM and SIGUSR1 only ask the loop to stop at the next update (after a checkpoint);
+    SIGUSR1 is the checkpoint-and-requeue request under Slurm (`scancel --signal=USR1`, `--signal=[B:]USR1@N`).
+    A second SIGINT or SIGTERM, a second or more later, interrupts at once (KeyboardInterrupt); a repeated SIGUSR1
+    (scancel's and the agent's copy of one request) is only the same request again."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self) -> None:
         self.received: signal.Signals | None = None
+        self.received_at: float | None = None  # wall clock (epoch seconds) of the first signal
         self._first_at = 0.0
         self._previous: dict[signal.Signals, Any] = {}
 
@@ -107,8 +110,8 @@ class GracefulStop:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
-            self.received, self._first_at = signal.Signals(signum), time.monotonic()
-        elif time.monotonic() - self._first_at > 1.0:
+            self.received, self._first_at, self.received_at = signal.Signals(signum), time.monotonic(), time.time()
+        elif signum != signal.SIGUSR1 and time.monotonic() - self._first_at > 1.0:
             raise KeyboardInterrupt
 
     def __enter__(self) -> GracefulStop:

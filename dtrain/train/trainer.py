@@ -26,6 +26,7 @@ from dtrain.data.synthetic import synthetic_replay
 from dtrain.errors import TrialError
 from dtrain.profile import Profiler
 from dtrain.profile.device_clock import CudaClock
+from dtrain.runs.preemptions import describe_preemptions, read_preemptions
 from dtrain.runs.rundir import SUMMARY_FILE, RunInfo, write_json_atomic
 from dtrain.sync import (
     AsynchronousPacing,
@@ -507,6 +508,9 @@ class Trainer:
     def _announce(self) -> None:
         s, split = self.schedule, self.sizes.split
         how = f"resuming at batch {self.state.steps_completed}" if self.resumed else "starting"
+        preemptions = read_preemptions(self.run_dir) if self.resumed else []
+        if preemptions:
+            how += f", preemptions survived: {describe_preemptions(preemptions)}"
         self.progress.note(
             f"{self.config.name}: {how}; {self.topology.world_size} worker(s) x {self._per_rank(split)} records = "
             f"global batch {split.global_batch_size}; {s.total_batches} batches "
@@ -527,6 +531,11 @@ class Trainer:
                               strategy=self.strategy.describe(), compression=self.config.compression.name)
         if self.stopped_by is not None:
             summary["stopped_by_searcher"] = self.stopped_by
+        if self.status == "interrupted" and self.stop.received is not None:  # a Slurm requeue reads when it came
+            summary["stop_signal"] = {"name": self.stop.received.name, "received_at": self.stop.received_at}
+        preemptions = read_preemptions(self.run_dir)
+        if preemptions:  # a Slurm job requeued after preemptions: what each cost
+            summary["preemptions"] = preemptions
         summary["precision"] = (self.forward_backward.describe() if isinstance(self.forward_backward, MixedPrecision)
                                 else {"name": "fp32", "autocast_dtype": None, "loss_scaling": False,
                                       "modules_in_fp32": None})

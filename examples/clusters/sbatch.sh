@@ -24,11 +24,23 @@
 set -euo pipefail
 # Preemption (a partition with PreemptMode=REQUEUE and a GraceTime) sends SIGTERM to the job: the workers finish
 # their batch and write a checkpoint, and `dtrain run` on the first node requeues the job (scontrol requeue), which
-# starts again later with the same job id and so resumes from the same run dir. The batch shell only waits for the
-# step meanwhile (without this trap SIGTERM would end it at once and the step with it).
+# starts again later with the same job id and so resumes from the same run dir. SIGUSR1 does the same at any time
+# (`scancel --signal=USR1 JOB`, or `sbatch --signal=USR1@120` before the time limit). With `--signal=B:USR1@N`
+# (only this shell gets it) the trap below passes it on to the step. The shell waits for the step meanwhile
+# (without the TERM trap SIGTERM would end it at once and the step with it).
 trap 'echo "sbatch.sh: SIGTERM (preemption or scancel): waiting for the workers to checkpoint" >&2' TERM
+trap 'echo "sbatch.sh: SIGUSR1: the workers checkpoint and the job is requeued" >&2
+      scancel --signal=USR1 "$SLURM_JOB_ID" || true' USR1
 CONFIG=${1:-examples/fashion_mnist/distributed.yaml}
 shift $(( $# > 0 ? 1 : 0 ))
 # --kill-on-bad-exit: a node that fails (e.g. cannot reach the master) ends the step instead of leaving the
 # other node waiting for it
-srun --ntasks-per-node=1 --kill-on-bad-exit=1 dtrain run "$CONFIG" --set resources.slots_per_trial=4 "$@"
+srun --ntasks-per-node=1 --kill-on-bad-exit=1 dtrain run "$CONFIG" --set resources.slots_per_trial=4 "$@" &
+step=$!
+code=0
+while true; do  # a trapped signal ends `wait` early: wait again until the step has ended
+  code=0
+  wait "$step" || code=$?
+  kill -0 "$step" 2>/dev/null || break
+done
+exit "$code"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -212,6 +213,23 @@ def test_a_signal_becomes_a_stop_request_and_a_late_second_one_interrupts(monkey
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_sigusr1_is_a_stop_request_that_a_repeat_never_escalates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slurm's checkpoint-and-requeue signal: scancel's copy and the agent's may come seconds apart; only a SIGTERM
+    (grace time over) or a second Ctrl-C still interrupts at once."""
+    clock = [100.0]
+    monkeypatch.setattr(guard_module.time, "monotonic", lambda: clock[0])
+    with GracefulStop() as stop:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.received == signal.SIGUSR1 and stop.received_at is not None
+        assert abs(stop.received_at - time.time()) < 60
+        clock[0] += 5
+        os.kill(os.getpid(), signal.SIGUSR1)  # the same request again: no KeyboardInterrupt
+        assert stop.received == signal.SIGUSR1
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
 
 
 def test_config_nan_policy_is_checked_and_resumable() -> None:
