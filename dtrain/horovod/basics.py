@@ -26,7 +26,7 @@ Average, Sum, Adasum, Min, Max, Product = 1, 0, 2, 3, 4, 5
 OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
 NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
 IGNORED_KNOBS = {
-    "HOROVOD_CYCLE_TIME": "there is no background cycle: each collective runs when it is called",
+    "HOROVOD_CYCLE_TIME": "the negotiation cycles whenever an operation is pending, backing off up to 5 ms",
     "HOROVOD_AUTOTUNE": "fusion is per dtype up to HOROVOD_FUSION_THRESHOLD; nothing is tuned at run time",
     "HOROVOD_HIERARCHICAL_ALLREDUCE": "gloo all-reduce is flat",
     "HOROVOD_CACHE_CAPACITY": "there is no response cache: shapes are checked on every call",
@@ -148,6 +148,9 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
     global_process_set.group = None
     STATE.sets = {0: global_process_set}
     STATE.next_set_id = 1
+    from dtrain.horovod.negotiation import COORDINATOR, Coordinator
+
+    COORDINATOR[0] = Coordinator(STATE.rank, STATE.size, float(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "300")))
     if isinstance(process_sets, list):
         for process_set in process_sets:
             add_process_set(process_set)
@@ -187,6 +190,11 @@ def shutdown() -> None:
     if not STATE.initialized:
         return
     stop_timeline()
+    from dtrain.horovod.negotiation import COORDINATOR
+
+    coordinator, COORDINATOR[0] = COORDINATOR[0], None
+    if coordinator is not None:
+        coordinator.stop(wait_seconds=float(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "300")))
     if STATE.owns_group and dist.is_initialized():
         dist.destroy_process_group()
     for process_set in STATE.sets.values():
@@ -295,6 +303,10 @@ def add_process_set(process_set: ProcessSet | list[int]) -> ProcessSet:
         raise ValueError(f"a process set with ranks {process_set.ranks} is already registered")
     process_set.group = dist.new_group(process_set.ranks)
     process_set.process_set_id = STATE.next_set_id
+    from dtrain.horovod.negotiation import COORDINATOR
+
+    if COORDINATOR[0] is not None:
+        COORDINATOR[0].add_set(STATE.next_set_id, process_set.ranks)
     STATE.sets[STATE.next_set_id] = process_set
     STATE.next_set_id += 1
     return process_set
@@ -306,6 +318,11 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     if process_set.process_set_id in (None, 0):
         return False
     STATE.sets.pop(process_set.process_set_id, None)
+    from dtrain.horovod.negotiation import COORDINATOR
+
+    if COORDINATOR[0] is not None:
+        COORDINATOR[0].remove_set(process_set.process_set_id,
+                                  dist.get_rank() in (process_set.ranks or []))
     if process_set.group is not None and dist.get_rank() in (process_set.ranks or []):
         dist.destroy_process_group(process_set.group)
     process_set.process_set_id, process_set.group = None, None

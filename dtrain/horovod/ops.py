@@ -1,18 +1,16 @@
 """Horovod's collectives on torch.distributed: allreduce, allgather, broadcast, alltoall, reducescatter (plain,
 in place, async, grouped), join, barrier, poll and synchronize, each differentiable as Horovod defines it.
 
-Every collective first *negotiates*: the ranks of the process set all-gather one small row each (what op, which
-dtype and shape, which root), and all compare the same table. A mismatch raises `RuntimeError` on every rank,
-naming the ranks and what differs, instead of leaving gloo to hang or scribble; a rank that has called `join()`
-answers with a JOIN row and contributes zeros to the others' allreduces. Horovod matches ops by name in a
-background cycle; here they are matched by call order, which is what scripts that run the same code on every
-rank do (names are still checked for duplicates among pending async ops).
+Every collective is posted to this rank's background negotiation (`negotiation.py`), which matches it by name
+and process set with the other ranks' posts, whatever order they come in, and runs it on its own process groups
+once every member has posted it: ranks may post in different orders, a joined rank contributes zeros to the
+others' allreduces, mismatched shapes or dtypes under one name raise RuntimeError on every rank that posted it,
+and a name still pending on a rank raises ValueError there only. Blocking calls post and wait; `*_async` calls
+return a handle at once.
 """
 
 from __future__ import annotations
 
-import math
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,12 +21,17 @@ import torch.distributed as dist
 
 from dtrain.horovod import basics
 from dtrain.horovod.basics import Adasum, Average, Max, Min, ProcessSet, Product, Sum, global_process_set
+from dtrain.horovod.negotiation import (
+    COORDINATOR,
+    MAX_DIMS,
+    ROW,
+    Entry,
+    Ready,
+    describe,
+    fusion_key,
+    metadata_row,
+)
 
-KINDS = {"ALLREDUCE": 1, "ALLGATHER": 2, "BROADCAST": 3, "ALLTOALL": 4, "REDUCESCATTER": 5, "BARRIER": 6,
-         "JOIN": 7}
-KIND_NAMES = {code: name for name, code in KINDS.items()}
-DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
-          torch.float32, torch.float64, torch.bool]
 REDUCIBLE = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
              torch.float32, torch.float64}
 MOVABLE = REDUCIBLE | {torch.bool}
@@ -37,22 +40,11 @@ MOVABLE = REDUCIBLE | {torch.bool}
 # in fp32 (as Horovod does on CPU) and move as themselves.
 MOVE_WIRE = {torch.int16: torch.int32}
 REDUCE_WIRE = {torch.int16: torch.int64, torch.float16: torch.float32, torch.bfloat16: torch.float32}
-MAX_DIMS = 8
-ROW = 6 + MAX_DIMS  # kind, dtype, ndim, op, root, join cycle, dims
 TORCH_OPS = {Sum: dist.ReduceOp.SUM, Average: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN, Max: dist.ReduceOp.MAX,
              Product: dist.ReduceOp.PRODUCT}
 
 
-@dataclass
-class _Join:
-    joined: bool = False
-    cycle: int = 0  # negotiations so far: the same count on every rank of the world
-
-
-JOIN = _Join()
-
-
-# ------------------------------------------------------------------------------------------- negotiation
+# ------------------------------------------------------------------------------------------- posting
 
 
 def _group_of(process_set: ProcessSet) -> Any:
@@ -64,87 +56,65 @@ def _group_of(process_set: ProcessSet) -> Any:
     return process_set.group
 
 
-def _row(kind: str, tensor: torch.Tensor | None, op: int = 0, root: int = -1) -> torch.Tensor:
-    row = torch.zeros(ROW, dtype=torch.int64)
-    row[0], row[3], row[4], row[5] = KINDS[kind], op, root, JOIN.cycle
-    if tensor is not None:
-        row[1] = DTYPES.index(tensor.dtype) if tensor.dtype in DTYPES else 99
-        row[2] = tensor.dim()
-        dims = list(tensor.shape)
-        if len(dims) > MAX_DIMS:
-            dims = dims[:MAX_DIMS - 1] + [math.prod(dims[MAX_DIMS - 1:])]
-        row[6:6 + len(dims)] = torch.tensor(dims, dtype=torch.int64)
-    return row
+def _members(process_set: ProcessSet) -> list[int]:
+    return list(process_set.ranks) if process_set.ranks is not None else list(range(basics.size()))
+
+
+def _post(kind: str, name: str, process_set: ProcessSet, tensor: torch.Tensor | None,
+          execute: Callable[[Ready], Any], op: int = 0, root: int = -1, buffer: torch.Tensor | None = None
+          ) -> Entry:
+    """Post one collective to the negotiation; `execute(ready)` runs on its thread when every member posted."""
+    _group_of(process_set)
+    coordinator = COORDINATOR[0]
+    if coordinator is None:
+        raise ValueError(basics.NOT_INITIALIZED)
+    set_id = process_set.process_set_id
+    assert set_id is not None
+    entry = Entry(kind, name, set_id, _members(process_set), metadata_row(kind, tensor, op, root, set_id), execute,
+                  fusion=fusion_key(set_id, buffer.dtype, op) if buffer is not None else None, buffer=buffer)
+    return coordinator.post(entry)
+
+
+def _data_group(process_set: ProcessSet) -> Any:
+    coordinator = COORDINATOR[0]
+    assert coordinator is not None and process_set.process_set_id is not None
+    return coordinator.data_group(process_set.process_set_id)
+
+
+def _firsts(ready: Ready) -> list[int]:
+    return [int(ready.rows[r][6]) for r in ready.members]
+
+
+# ------------------------------------------------------------------------------------------- order-matched check
+# DistributedOptimizer's dtrain-compressor path runs its rounds on the process set's own group from the main
+# thread; it is matched by call order with this all-gathered check, as before the negotiation by name.
 
 
 def _exchange(row: torch.Tensor, group: Any) -> torch.Tensor:
     world = dist.get_world_size(group)
     rows = [torch.empty(ROW, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(rows, row, group=group)
-    table = torch.stack(rows)
-    if group is None:
-        JOIN.cycle += 1
-    return table
-
-
-def _describe(row: torch.Tensor) -> str:
-    kind = KIND_NAMES.get(int(row[0]), "?")
-    dtype = DTYPES[int(row[1])] if int(row[1]) < len(DTYPES) else "unsupported"
-    shape = tuple(int(d) for d in row[6:6 + min(int(row[2]), MAX_DIMS)])
-    return f"{kind} of {dtype} {shape}" + (f" op {basics.OP_NAMES.get(int(row[3]), row[3])}" if int(row[0]) in (
-        1, 5) else "") + (f" root {int(row[4])}" if int(row[0]) == 3 else "")
+    return torch.stack(rows)
 
 
 def negotiate(kind: str, name: str, tensor: torch.Tensor | None, group: Any, op: int = 0, root: int = -1,
               ranks: Sequence[int] | None = None) -> torch.Tensor:
-    """All-gather this rank's row and check the table; returns it (rows in group-rank order). Raises
-    RuntimeError, the same on every rank, when the ranks disagree or a rank has joined and the op needs it."""
-    return check_table(kind, name, _exchange(_row(kind, tensor, op, root), group), ranks)
-
-
-def negotiate_async(kind: str, name: str, tensor: torch.Tensor, group: Any, op: int = 0,
-                    ranks: Sequence[int] | None = None) -> Callable[[], torch.Tensor]:
-    """Start the same exchange without waiting; the returned function waits and checks. For a collective whose
-    every rank is known to agree on shapes (a DistributedOptimizer bucket after its first, checked, step): the
-    rows still travel, so a joined rank still answers, but backward never blocks on them."""
-    world = dist.get_world_size(group)
-    rows = [torch.empty(ROW, dtype=torch.int64) for _ in range(world)]
-    work = dist.all_gather(rows, _row(kind, tensor, op), group=group, async_op=True)
-    if group is None:
-        JOIN.cycle += 1
-
-    def check() -> torch.Tensor:
-        assert work is not None
-        work.wait()
-        return check_table(kind, name, torch.stack(rows), ranks)
-
-    return check
-
-
-def check_table(kind: str, name: str, table: torch.Tensor, ranks: Sequence[int] | None) -> torch.Tensor:
-    """Compare the gathered rows; the same RuntimeError on every rank when they disagree."""
+    """All-gather this rank's row on `group` and check the table (matched by call order); returns it. Raises
+    RuntimeError, the same on every rank, when the ranks disagree."""
+    table = _exchange(metadata_row(kind, tensor, op, root), group)
     members = list(ranks) if ranks is not None else list(range(table.shape[0]))
-    joined = [members[i] for i in range(table.shape[0]) if int(table[i, 0]) == KINDS["JOIN"]]
-    if joined and kind not in ("ALLREDUCE", "BARRIER"):
-        raise RuntimeError(f"{kind.lower()} '{name}' cannot run while rank(s) {joined} have called hvd.join(): "
-                           "only allreduce (zeros from the joined ranks) and barrier can")
-    live = [i for i in range(table.shape[0]) if int(table[i, 0]) != KINDS["JOIN"]]
-    reference = table[live[0]]
-    compare = list(range(0, 6))  # kind, dtype, ndim, op, root (the join cycle differs: skipped below)
-    compare.remove(5)
+    reference = table[0]
     free_first_dim = kind in ("ALLGATHER", "ALLTOALL")
-    for i in live[1:]:
+    for i in range(1, table.shape[0]):
         row = table[i]
-        same = all(int(row[c]) == int(reference[c]) for c in compare)
-        dims = int(reference[2])
+        dims = min(int(reference[2]), MAX_DIMS)
         first = 7 if free_first_dim else 6
-        same = same and torch.equal(row[first:6 + min(dims, MAX_DIMS)], reference[first:6 + min(dims, MAX_DIMS)])
+        same = all(int(row[c]) == int(reference[c]) for c in range(5)) and torch.equal(
+            row[first:6 + dims], reference[first:6 + dims])
         if not same:
-            raise RuntimeError(f"Mismatched {kind.lower()} '{name}': rank {members[live[0]]} submitted "
-                               f"{_describe(reference)} but rank {members[i]} submitted {_describe(row)}; every "
+            raise RuntimeError(f"Mismatched {kind.lower()} '{name}': rank {members[0]} submitted "
+                               f"{describe(reference)} but rank {members[i]} submitted {describe(row)}; every "
                                "rank must call the same collectives with the same dtypes and shapes")
-    if int(reference[1]) == 99:
-        raise RuntimeError(f"{kind.lower()} '{name}': unsupported dtype")
     return table
 
 
@@ -172,9 +142,6 @@ def forget_pending() -> None:
 
 
 def _submit(name: str, finish: Callable[[], Any], work: Any = None) -> int:
-    if any(p.name == name for p in _HANDLES.values()):
-        raise ValueError(f"a collective named '{name}' is still pending on this rank: synchronize it first or use "
-                         "another name")
     _NEXT[0] += 1
     _HANDLES[_NEXT[0]] = _Pending(name, finish, work)
     return _NEXT[0]
@@ -288,55 +255,32 @@ def _to_wire(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _start_allreduce(tensor: torch.Tensor, op: int, prescale: float, postscale: float, process_set: ProcessSet,
-                     name: str, checked_before: bool = False) -> tuple[torch.Tensor, Any, float]:
-    """Negotiate and start the reduction; returns (buffer, work, postscale still to apply). With
-    `checked_before` (the same collective already agreed on by every rank) the negotiation is not waited for
-    here: the returned work waits for it and checks it."""
+                     name: str, lengths: Sequence[int] | None = None) -> tuple[torch.Tensor, Entry, float]:
+    """Post the reduction; returns (buffer, the posted entry to wait on, postscale still to apply). Adasum combines
+    the pieces of `lengths` (default: the whole tensor) separately."""
     if tensor.dtype not in REDUCIBLE:
         raise ValueError(f"allreduce '{name}': dtype {tensor.dtype} is not reducible; use uint8, int8, int16, int32, "
                          "int64, float16, bfloat16, float32 or float64")
     if op not in basics.OP_NAMES:
         raise ValueError(f"allreduce '{name}': unknown op {op}; use hvd.Average, Sum, Adasum, Min, Max or Product")
-    group = _group_of(process_set)
-    started = time.perf_counter()
-    pending_check = None
-    if checked_before and op != Adasum:
-        pending_check = negotiate_async("ALLREDUCE", name, tensor, group, op=op, ranks=process_set.ranks)
-    else:
-        negotiate("ALLREDUCE", name, tensor, group, op=op, ranks=process_set.ranks)
-    negotiated = time.perf_counter()
     buffer = _scaled_input(_work_tensor(tensor), tensor.dtype, prescale)
     world = process_set.size()
     if op == Adasum:
         if not buffer.is_floating_point():
             raise ValueError(f"allreduce '{name}': Adasum needs a floating-point tensor, got {tensor.dtype}")
-        from dtrain.comm.adasum import adasum_all_reduce_
 
-        flat = buffer.view(-1)
-        adasum_all_reduce_(flat, group=group)
-        basics.record_span("ADASUM", name, started, time.perf_counter(), negotiated)
-        return buffer, None, postscale
-    work = dist.all_reduce(buffer, op=TORCH_OPS[op], group=group, async_op=True)
-    basics.record_span("ALLREDUCE", name, started, time.perf_counter(), negotiated,
-                       {"dtype": str(tensor.dtype), "shape": list(tensor.shape)})
-    if pending_check is not None:
-        work = _CheckedWork(work, pending_check)
-    return buffer, work, postscale / world if op == Average else postscale
+        def adasum(ready: Ready) -> torch.Tensor:
+            from dtrain.comm.adasum import adasum_all_reduce_
+
+            return adasum_all_reduce_(buffer.view(-1), lengths, group=_data_group(process_set))
+
+        return buffer, _post("ALLREDUCE", name, process_set, tensor, adasum, op=op), postscale
+    entry = _post("ALLREDUCE", name, process_set, tensor, _fused_only, op=op, buffer=buffer)
+    return buffer, entry, postscale / world if op == Average else postscale
 
 
-@dataclass
-class _CheckedWork:
-    """An allreduce's work whose negotiation is checked when it is waited for."""
-
-    work: Any
-    check: Callable[[], torch.Tensor]
-
-    def wait(self) -> bool:
-        self.check()
-        return bool(self.work.wait())
-
-    def is_completed(self) -> bool:
-        return bool(self.work.is_completed())
+def _fused_only(ready: Ready) -> None:
+    raise AssertionError("a fusable allreduce is run by the negotiation's fused path")
 
 
 def _finish_allreduce(tensor: torch.Tensor, buffer: torch.Tensor, post: float, out: torch.Tensor | None
@@ -473,28 +417,25 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int = Average,
 
 
 def _start_allgather(tensor: torch.Tensor, process_set: ProcessSet, name: str
-                     ) -> tuple[Any, Callable[[], tuple[torch.Tensor, list[int]]]]:
-    """Negotiate and start the all-gather; returns (work, finish), finish giving (output, dim 0 of each rank)."""
+                     ) -> tuple[Entry, Callable[[], tuple[torch.Tensor, list[int]]]]:
+    """Post the all-gather; returns (entry, finish), finish giving (output, dim 0 of each rank)."""
     if tensor.dim() == 0:
         raise ValueError(f"allgather '{name}' needs a tensor of at least one dimension (it concatenates dim 0)")
     if tensor.dtype not in MOVABLE:
         raise ValueError(f"allgather '{name}': unsupported dtype {tensor.dtype}")
-    group = _group_of(process_set)
-    started = time.perf_counter()
-    table = negotiate("ALLGATHER", name, tensor, group, ranks=process_set.ranks)
-    negotiated = time.perf_counter()
-    firsts = [int(row[6]) for row in table]
-    largest = max(firsts)
-    padded = torch.zeros((largest, *tensor.shape[1:]), dtype=MOVE_WIRE.get(tensor.dtype, tensor.dtype))
-    padded[:tensor.shape[0]] = tensor.detach()
-    pieces = [torch.empty_like(padded) for _ in firsts]
-    work = dist.all_gather(pieces, padded, group=group, async_op=True)
+    source = tensor.detach()
 
-    def finish() -> tuple[torch.Tensor, list[int]]:
-        basics.record_span("ALLGATHER", name, started, time.perf_counter(), negotiated)
-        return torch.cat([piece[:n] for piece, n in zip(pieces, firsts, strict=True)]).to(tensor.dtype), firsts
+    def gather(ready: Ready) -> tuple[torch.Tensor, list[int]]:
+        firsts = _firsts(ready)
+        padded = torch.zeros((max(firsts), *source.shape[1:]), dtype=MOVE_WIRE.get(source.dtype, source.dtype))
+        padded[:source.shape[0]] = source
+        pieces = [torch.empty_like(padded) for _ in firsts]
+        dist.all_gather(pieces, padded, group=_data_group(process_set))
+        gathered = torch.cat([piece[:n] for piece, n in zip(pieces, firsts, strict=True)]).to(source.dtype)
+        return gathered, firsts
 
-    return work, finish
+    entry = _post("ALLGATHER", name, process_set, tensor, gather)
+    return entry, lambda: entry.wait()
 
 
 def _allgather_now(tensor: torch.Tensor, process_set: ProcessSet, name: str) -> tuple[torch.Tensor, list[int]]:
@@ -550,35 +491,31 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 
 
 def _start_broadcast(tensor: torch.Tensor, root_rank: int, process_set: ProcessSet, name: str,
-                     out: torch.Tensor | None) -> tuple[Any, Callable[[], torch.Tensor]]:
-    """Negotiate and start the broadcast; returns (work, finish), finish writing `out` (if given) and returning
-    the result."""
+                     out: torch.Tensor | None) -> tuple[Entry, Callable[[], torch.Tensor]]:
+    """Post the broadcast; returns (entry, finish), finish writing `out` (if given) and returning the result."""
     if tensor.dtype not in MOVABLE:
         raise ValueError(f"broadcast '{name}': unsupported dtype {tensor.dtype}")
-    group = _group_of(process_set)
-    members = process_set.ranks if process_set.ranks is not None else list(range(basics.size()))
+    members = _members(process_set)
     if root_rank not in members:
         raise ValueError(f"broadcast '{name}': root_rank {root_rank} is not in the process set (ranks {members}); "
                          "root_rank is a global rank")
-    started = time.perf_counter()
-    negotiate("BROADCAST", name, tensor, group, root=root_rank, ranks=process_set.ranks)
-    negotiated = time.perf_counter()
-    direct = out is not None and out.is_contiguous() and tensor.dtype not in MOVE_WIRE
-    # direct is true only when out is a tensor
-    buffer = out.detach() if direct else _to_wire(tensor)  # type: ignore[union-attr]
-    work = dist.broadcast(buffer, src=root_rank, group=group, async_op=True)
+    buffer = _to_wire(tensor)
+
+    def send(ready: Ready) -> torch.Tensor:
+        dist.broadcast(buffer, src=root_rank, group=_data_group(process_set))
+        return buffer
+
+    entry = _post("BROADCAST", name, process_set, tensor, send, root=root_rank)
 
     def finish() -> torch.Tensor:
-        basics.record_span("BROADCAST", name, started, time.perf_counter(), negotiated)
-        result = buffer.to(tensor.dtype)
+        result = entry.wait().to(tensor.dtype)
         if out is None:
             return result
-        if not direct:
-            with torch.no_grad():
-                out.copy_(result)
+        with torch.no_grad():
+            out.copy_(result)
         return out
 
-    return work, finish
+    return entry, finish
 
 
 def _broadcast_now(tensor: torch.Tensor, root_rank: int, process_set: ProcessSet, name: str,
@@ -644,12 +581,12 @@ def _split_problem(send: list[int], first: int, world: int, given: bool) -> str 
 
 
 def _start_alltoall(tensor: torch.Tensor, splits: Any, process_set: ProcessSet, name: str
-                    ) -> tuple[Any, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
-    """Negotiate, exchange the splits and start the all-to-all; returns (work, finish). Bad splits on any rank
-    raise the same ValueError on every rank, after the exchange, so no rank is left waiting."""
+                    ) -> tuple[Entry, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
+    """Post the all-to-all; returns (entry, finish). When it runs, the ranks exchange their splits first: bad
+    splits on any rank raise the same ValueError on every rank, so no rank is left waiting."""
     if tensor.dtype not in MOVABLE:
         raise ValueError(f"alltoall '{name}': unsupported dtype {tensor.dtype}")
-    group = _group_of(process_set)
+    _group_of(process_set)
     world = process_set.size()
     if tensor.dim() == 0:
         raise ValueError(f"alltoall '{name}' needs a tensor of at least one dimension")
@@ -657,34 +594,29 @@ def _start_alltoall(tensor: torch.Tensor, splits: Any, process_set: ProcessSet, 
         send = [tensor.shape[0] // world] * world
     else:
         send = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
-    started = time.perf_counter()
-    negotiate("ALLTOALL", name, tensor, group, ranks=process_set.ranks)
-    negotiated = time.perf_counter()
     problem = _split_problem(send, tensor.shape[0], world, splits is not None)
-    row = torch.full((world + 1,), -1, dtype=torch.int64)
-    if problem is None:
-        row[:world] = torch.tensor(send, dtype=torch.int64)
-        row[world] = 0
-    columns = [torch.empty(world + 1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(columns, row, group=group)
-    bad = [r for r, column in enumerate(columns) if int(column[world]) != 0]
-    if bad:
-        members = process_set.ranks if process_set.ranks is not None else list(range(world))
-        raise ValueError(f"alltoall '{name}': rank(s) {[members[r] for r in bad]} gave unusable splits"
-                         + (f" ({problem})" if problem else ""))
-    matrix = torch.stack(columns)[:, :world]
+    sent = _to_wire(tensor)
     me = process_set.rank()
-    received = [int(v) for v in matrix[:, me]]
-    sent = _to_wire(tensor) if tensor.dtype in MOVE_WIRE else tensor.detach().contiguous()
-    output = torch.empty((sum(received), *tensor.shape[1:]), dtype=sent.dtype)
-    work = dist.all_to_all_single(output, sent, output_split_sizes=received, input_split_sizes=send, group=group,
-                                  async_op=True)
 
-    def finish() -> tuple[torch.Tensor, torch.Tensor]:
-        basics.record_span("ALLTOALL", name, started, time.perf_counter(), negotiated)
+    def exchange(ready: Ready) -> tuple[torch.Tensor, torch.Tensor]:
+        group = _data_group(process_set)
+        row = torch.full((world + 1,), -1, dtype=torch.int64)
+        if problem is None:
+            row[:world] = torch.tensor(send, dtype=torch.int64)
+            row[world] = 0
+        columns = [torch.empty(world + 1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(columns, row, group=group)
+        bad = [r for r, column in enumerate(columns) if int(column[world]) != 0]
+        if bad:
+            raise ValueError(f"alltoall '{name}': rank(s) {[ready.members[r] for r in bad]} gave unusable splits"
+                             + (f" ({problem})" if problem else ""))
+        received = [int(column[me]) for column in columns]
+        output = torch.empty((sum(received), *sent.shape[1:]), dtype=sent.dtype)
+        dist.all_to_all_single(output, sent, output_split_sizes=received, input_split_sizes=send, group=group)
         return output.to(tensor.dtype), torch.tensor(received, dtype=torch.int32)
 
-    return work, finish
+    entry = _post("ALLTOALL", name, process_set, tensor, exchange)
+    return entry, lambda: entry.wait()
 
 
 def _alltoall_now(tensor: torch.Tensor, splits: Any, process_set: ProcessSet, name: str
@@ -739,30 +671,31 @@ def _my_rows(first: int, world: int, me: int) -> tuple[int, int]:
 
 
 def _start_reducescatter(tensor: torch.Tensor, op: int, prescale: float, postscale: float,
-                         process_set: ProcessSet, name: str) -> tuple[Any, Callable[[], torch.Tensor]]:
-    """Negotiate and start the reduction; returns (work, finish), finish giving this rank's rows. Only Sum and
-    Average: any other op raises RuntimeError, as Horovod's core answers it."""
+                         process_set: ProcessSet, name: str) -> tuple[Entry, Callable[[], torch.Tensor]]:
+    """Post the reduction; returns (entry, finish), finish giving this rank's rows. Only Sum and Average: any
+    other op raises RuntimeError, as Horovod's core answers it."""
     if op not in (Average, Sum):
         raise RuntimeError(f"reducescatter '{name}' supports hvd.Average and hvd.Sum, not "
                            f"{basics.OP_NAMES.get(op, op)}")
     if tensor.dim() == 0:
         raise RuntimeError(f"reducescatter '{name}' needs a tensor of at least one dimension (it splits dim 0)")
-    group = _group_of(process_set)
-    started = time.perf_counter()
-    negotiate("REDUCESCATTER", name, tensor, group, op=op, ranks=process_set.ranks)
     if tensor.dtype not in REDUCIBLE:
         raise ValueError(f"reducescatter '{name}': dtype {tensor.dtype} is not reducible")
     buffer = _scaled_input(_work_tensor(tensor), tensor.dtype, prescale)
-    work = dist.all_reduce(buffer, group=group, async_op=True)
+    offset, count = _my_rows(tensor.shape[0], process_set.size(), process_set.rank())
+
+    def reduce(ready: Ready) -> torch.Tensor:
+        dist.all_reduce(buffer, group=_data_group(process_set))
+        return buffer
+
+    entry = _post("REDUCESCATTER", name, process_set, tensor, reduce, op=op)
 
     def finish() -> torch.Tensor:
-        reduced = _wrap(buffer, tensor.dtype)
+        reduced = _wrap(entry.wait(), tensor.dtype)
         _scale(reduced, postscale / process_set.size() if op == Average else postscale)
-        offset, count = _my_rows(tensor.shape[0], process_set.size(), process_set.rank())
-        basics.record_span("REDUCESCATTER", name, started, time.perf_counter())
         return reduced.narrow(0, offset, count).to(tensor.dtype).clone()
 
-    return work, finish
+    return entry, finish
 
 
 def _reducescatter_now(tensor: torch.Tensor, op: int, prescale: float, postscale: float,
@@ -829,43 +762,21 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Wait until every rank of the set gets here."""
-    group = _group_of(process_set)
-    negotiate("BARRIER", "barrier", None, group, ranks=process_set.ranks)
-    dist.barrier(group=group)
+    """Wait until every rank of the set gets here (other named operations may stay pending across it)."""
+    _post("BARRIER", "barrier", process_set, None, lambda ready: None).wait()
 
 
 def join(device: int = -1) -> int:
     """Declare that this rank has no more data. Until every rank has joined, this rank takes part in the
     others' allreduces with zeros (Average still divides by the full size) and barriers; returns the last rank
     to join, the same on every rank."""
-    JOIN.joined = True
-    my_cycle = JOIN.cycle
-    try:
-        while True:
-            table = _exchange(_row("JOIN", None, root=my_cycle), None)
-            kinds = [int(k) for k in table[:, 0]]
-            if all(k == KINDS["JOIN"] for k in kinds):
-                cycles = [int(c) for c in table[:, 4]]
-                latest = max(cycles)
-                return max(r for r, c in enumerate(cycles) if c == latest)
-            live = table[next(i for i, k in enumerate(kinds) if k != KINDS["JOIN"])]
-            kind = KIND_NAMES[int(live[0])]
-            if kind == "ALLREDUCE":
-                dims = [int(d) for d in live[6:6 + min(int(live[2]), MAX_DIMS)]]
-                dtype = DTYPES[int(live[1])]
-                work_dtype = REDUCE_WIRE.get(dtype, dtype)
-                op = int(live[3])
-                zeros = torch.zeros(dims, dtype=work_dtype)
-                if op == Adasum:
-                    from dtrain.comm.adasum import adasum_all_reduce_
+    coordinator = COORDINATOR[0]
+    if coordinator is None:
+        raise ValueError(basics.NOT_INITIALIZED)
 
-                    adasum_all_reduce_(zeros.view(-1))
-                else:
-                    dist.all_reduce(zeros, op=TORCH_OPS.get(op, dist.ReduceOp.SUM))
-            elif kind == "BARRIER":
-                dist.barrier()
-            # any other op: the live ranks raise after the same negotiation; nothing to take part in
-    finally:
-        JOIN.joined = False
+    def last(ready: Ready) -> int:
+        rank = coordinator.last_joined()
+        coordinator.joined_done()
+        return rank
 
+    return int(_post("JOIN", "join", global_process_set, None, last).wait())

@@ -5,9 +5,9 @@ skip_synchronize, zero gradients for parameters a rank did not use).
 How it differs inside: Horovod launches one allreduce per parameter from a gradient hook, matched by name in a
 background cycle. Here gradients are fused into buckets (per dtype, in the order backward produces them, up to
 HOROVOD_FUSION_THRESHOLD bytes, 4 MiB by default, 0 = one per tensor); a gradient hook counts backward passes,
-and a bucket's negotiated allreduce starts as soon as all its gradients are ready, in bucket order, so it
-travels while backward goes on, as DDP's buckets do. `synchronize()` starts what is left and waits. Every rank
-submits every bucket (with zero gradients where its graph did not use a parameter), in the same order, so
+and a bucket's allreduce is posted to the negotiation by name (`negotiation.py`) as soon as all its gradients
+are ready, so it travels while backward goes on, as DDP's buckets do. `synchronize()` starts what is left and
+waits. Every rank submits every bucket (with zero gradients where its graph did not use a parameter), so
 data-dependent graphs cannot hang. With `op=hvd.Adasum` the gradients (not Horovod's
 optimizer deltas) are combined by dtrain's Adasum, tensor by tensor.
 """
@@ -129,7 +129,6 @@ class _DistributedOptimizer:
             sizes[p.dtype] = sizes.get(p.dtype, 0) + nbytes
         buckets.extend(current.values())
         self._bucket_list = buckets
-        self._checked: set[int] = set()  # buckets whose shapes every rank has agreed on (blocking, first step)
         self._ready: set[torch.Tensor] = set()
         self._next_bucket = 0
         self._inflight: list[tuple[list[torch.Tensor], Any]] = []
@@ -164,9 +163,7 @@ class _DistributedOptimizer:
             return
         factor = self.gradient_predivide_factor
         compressed, context = self._compression.compress(flat)
-        buffer, work, post = ops._start_allreduce(compressed, self.op, 1.0 / factor, factor, self.process_set, name,
-                                                  checked_before=index in self._checked)
-        self._checked.add(index)
+        buffer, work, post = ops._start_allreduce(compressed, self.op, 1.0 / factor, factor, self.process_set, name)
 
         def finish() -> torch.Tensor:
             if work is not None:
@@ -211,11 +208,9 @@ class _DistributedOptimizer:
 
     def _reduce(self, flat: torch.Tensor, index: int, lengths: list[int], name: str) -> torch.Tensor:
         if self.op == Adasum:
-            from dtrain.comm.adasum import adasum_all_reduce_
-
-            ops.negotiate("ALLREDUCE", name, flat, self.process_set.group, op=Adasum,
-                          ranks=self.process_set.ranks)
-            return adasum_all_reduce_(flat.clone(), lengths, self.process_set.group)
+            buffer, work, _ = ops._start_allreduce(flat, Adasum, 1.0, 1.0, self.process_set, name, lengths)
+            work.wait()
+            return buffer
         if isinstance(self._compression, DtrainCompressor):
             return self._reduce_with_dtrain(flat, index, lengths, name)
         factor = self.gradient_predivide_factor

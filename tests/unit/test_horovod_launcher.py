@@ -133,9 +133,7 @@ def test_single_process_api_before_and_after_init() -> None:
             hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), backward_passes_per_step=0)
         with pytest.raises(ValueError, match="LBFGS"):
             hvd.broadcast_optimizer_state(torch.optim.LBFGS(model.parameters()), 0)
-        handle = hvd.allreduce_async(torch.ones(2), name="x")
-        with pytest.raises(ValueError, match="still pending"):
-            hvd.allreduce_async(torch.ones(2), name="x")
+        handle = hvd.allreduce_async(torch.ones(2), name="x")  # a name pending twice: test_horovod_negotiation.py
         assert torch.equal(hvd.synchronize(handle), torch.ones(2))
     finally:
         hvd.shutdown()

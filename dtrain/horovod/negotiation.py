@@ -1,0 +1,485 @@
+"""Horovod's negotiation by name: a background coordinator per rank that matches collectives by name (and process
+set), whatever order the ranks post them in, and runs each ready set in one agreed order on every rank.
+
+Each rank's coordinator thread, while it has operations pending, exchanges the list of what it has posted (a
+63-bit key of process set and name, and the metadata row: kind, dtype, shape, op, root) with every rank through
+an all-gather on its own gloo group. An operation is ready when every member of its process set has posted it
+(a rank that has called `join()` counts as having posted every allreduce and barrier, and contributes zeros);
+every rank computes the same ready list from the same table and runs it sorted by key, allreduces of one process
+set, dtype and op fused into one buffer up to the fusion threshold, as Horovod fuses what one cycle makes ready.
+Collectives run on the coordinator's own process groups, so the thread never races the main thread's
+torch.distributed calls. A name posted twice on one rank while the first is pending raises ValueError on that
+rank only; mismatched shapes or dtypes under one name raise RuntimeError on every rank that posted it; an
+operation some ranks have not posted for HOROVOD_STALL_CHECK_TIME_SECONDS (60) is reported as Horovod's stall
+warning, naming the missing ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+KINDS = {"ALLREDUCE": 1, "ALLGATHER": 2, "BROADCAST": 3, "ALLTOALL": 4, "REDUCESCATTER": 5, "BARRIER": 6,
+         "JOIN": 7, "SHUTDOWN": 8}
+KIND_NAMES = {code: name for name, code in KINDS.items()}
+DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+          torch.float32, torch.float64, torch.bool]
+MAX_DIMS = 8
+ROW = 6 + MAX_DIMS  # kind, dtype, ndim, op, root, set id, dims
+WIDTH = 1 + ROW  # key, row
+FIRST_BATCH = 32  # entries that travel in a cycle's first all-gather; more take a second one
+ADASUM = 2
+DEFAULT_FUSION_BYTES = 64 * 1024 * 1024
+
+
+def metadata_row(kind: str, tensor: torch.Tensor | None, op: int = 0, root: int = -1, set_id: int = 0
+                 ) -> torch.Tensor:
+    """What every rank must agree on under one name: kind, dtype, shape, op, root, process set."""
+    row = torch.zeros(ROW, dtype=torch.int64)
+    row[0], row[3], row[4], row[5] = KINDS[kind], op, root, set_id
+    if tensor is not None:
+        row[1] = DTYPES.index(tensor.dtype) if tensor.dtype in DTYPES else 99
+        row[2] = tensor.dim()
+        dims = list(tensor.shape)
+        if len(dims) > MAX_DIMS:
+            dims = dims[:MAX_DIMS - 1] + [math.prod(dims[MAX_DIMS - 1:])]
+        row[6:6 + len(dims)] = torch.tensor(dims, dtype=torch.int64)
+    return row
+
+
+def describe(row: torch.Tensor) -> str:
+    kind = KIND_NAMES.get(int(row[0]), "?")
+    dtype = DTYPES[int(row[1])] if int(row[1]) < len(DTYPES) else "unsupported"
+    shape = tuple(int(d) for d in row[6:6 + min(int(row[2]), MAX_DIMS)])
+    from dtrain.horovod.basics import OP_NAMES
+
+    return f"{kind} of {dtype} {shape}" + (f" op {OP_NAMES.get(int(row[3]), row[3])}" if int(row[0]) in (
+        1, 5) else "") + (f" root {int(row[4])}" if int(row[0]) == 3 else "")
+
+
+def shape_of(row: torch.Tensor) -> list[int]:
+    return [int(d) for d in row[6:6 + min(int(row[2]), MAX_DIMS)]]
+
+
+def key_of(set_id: int, name: str) -> int:
+    """A 63-bit key for (process set, name), the same in every process (Python's hash() is not)."""
+    digest = hashlib.blake2b(f"{set_id}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+@dataclass
+class Ready:
+    """What the agreed table says about one ready operation."""
+
+    key: int
+    rows: dict[int, torch.Tensor]  # global rank -> its row, for the members that posted it
+    members: list[int]
+    joined: list[int]  # members that have called join() and take part with zeros
+
+
+@dataclass
+class Entry:
+    """One posted operation: `execute(ready)` runs on the coordinator thread once every member has posted it."""
+
+    kind: str
+    name: str
+    set_id: int
+    members: list[int]
+    row: torch.Tensor
+    execute: Callable[[Ready], Any]
+    fusion: tuple[Any, ...] | None = None  # allreduces with the same fusion key may share one buffer
+    buffer: torch.Tensor | None = None  # the fused allreduce's input and output
+    key: int = 0
+    posted: float = field(default_factory=time.monotonic)
+    posted_perf: float = field(default_factory=time.perf_counter)
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+    warned: bool = False
+    work: Any = None  # an allreduce the thread started and did not wait for
+    unpack: Callable[[], None] | None = None  # after `work`: copy this entry's part out of the fused buffer
+
+    def wait(self) -> Any:
+        """Block until the operation ran; re-raise its error. Warns of a stall while waiting."""
+        while not self.done.wait(timeout=1.0):
+            coordinator = COORDINATOR[0]
+            if coordinator is not None:
+                coordinator.check_stalls()
+        if self.error is not None:
+            raise self.error
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.unpack is not None:
+            self.unpack()
+            self.unpack = None
+        return self.result
+
+    def is_completed(self) -> bool:
+        return self.done.is_set() and (self.work is None or bool(self.work.is_completed()))
+
+
+class Coordinator:
+    """The background negotiation of one rank (see the module docstring)."""
+
+    def __init__(self, rank: int, size: int, timeout_seconds: float) -> None:
+        self.rank, self.size = rank, size
+        long = timedelta(days=7)  # an idle peer is a stall (warned of), not an error
+        self.control = dist.new_group(backend="gloo", timeout=long)
+        self.data: dict[int, Any] = {0: dist.new_group(timeout=timedelta(seconds=timeout_seconds))}
+        self.timeout_seconds = timeout_seconds
+        self.pending: dict[int, Entry] = {}
+        self.lock = threading.Condition()
+        self.cycle = 0
+        self.join_seen: dict[int, int] = {}  # rank -> the cycle its join was first seen in
+        self.last_table: dict[int, dict[int, torch.Tensor]] = {}
+        self.stall_seconds = float(os.environ.get("HOROVOD_STALL_CHECK_TIME_SECONDS", "60"))
+        self.stall_disabled = os.environ.get("HOROVOD_STALL_CHECK_DISABLE") == "1"
+        self.fusion_bytes = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", str(DEFAULT_FUSION_BYTES)))
+        self.stopped = False
+        self.stopping = False  # set by the SHUTDOWN every rank posts: the thread ends after that cycle
+        self._zero_buffers: dict[int, torch.Tensor] = {}
+        self.failure: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="horovod-negotiation", daemon=True)
+        self.thread.start()
+
+    # ---------------------------------------------------------------------------------------- posting
+
+    def add_set(self, set_id: int, ranks: list[int]) -> None:
+        """A data group for a new process set (every rank calls this, in the same order)."""
+        self.data[set_id] = dist.new_group(ranks, timeout=timedelta(seconds=self.timeout_seconds))
+
+    def remove_set(self, set_id: int, member: bool) -> None:
+        group = self.data.pop(set_id, None)
+        if group is not None and member:
+            dist.destroy_process_group(group)
+
+    def post(self, entry: Entry) -> Entry:
+        """Queue `entry`; ValueError (on this rank only) when its name is still pending here."""
+        entry.key = key_of(entry.set_id, entry.name)
+        with self.lock:
+            if self.failure is not None:
+                raise RuntimeError(f"the negotiation thread failed earlier: {self.failure}")
+            if self.stopped:
+                raise RuntimeError("Horovod has been shut down")
+            if entry.key in self.pending:
+                raise ValueError(f"a collective named '{entry.name}' is still pending on this rank: synchronize it "
+                                 "first or use another name")
+            self.pending[entry.key] = entry
+            self.lock.notify()
+        return entry
+
+    # ---------------------------------------------------------------------------------------- the cycle
+
+    def _run(self) -> None:
+        idle_cycles = 0
+        while True:
+            with self.lock:
+                while not self.pending and not self.stopped:
+                    self.lock.wait()
+                if self.stopped and not self.pending:
+                    return
+                mine = sorted(self.pending.values(), key=lambda e: e.key)
+            try:
+                table = self._exchange(mine)
+                progressed = self._run_ready(table)
+            except BaseException as error:  # noqa: BLE001 - every waiter gets it
+                self._fail(error)
+                return
+            if self.stopping:
+                return
+            self.check_stalls()
+            if progressed:
+                idle_cycles = 0
+            else:  # the others are behind: back off a little rather than spin the all-gather
+                idle_cycles += 1
+                time.sleep(min(0.0002 * idle_cycles, 0.005))
+
+    def _exchange(self, mine: list[Entry]) -> dict[int, dict[int, torch.Tensor]]:
+        """Every rank's posted entries: rank -> key -> row."""
+        count = len(mine)
+        first = torch.full((1 + FIRST_BATCH * WIDTH,), -1, dtype=torch.int64)
+        first[0] = count
+        for i, entry in enumerate(mine[:FIRST_BATCH]):
+            first[1 + i * WIDTH] = entry.key
+            first[2 + i * WIDTH:1 + (i + 1) * WIDTH] = entry.row
+        gathered = [torch.empty_like(first) for _ in range(self.size)]
+        dist.all_gather(gathered, first, group=self.control)
+        counts = [int(g[0]) for g in gathered]
+        if max(counts) > FIRST_BATCH:
+            longest = max(counts)
+            full = torch.full((longest * WIDTH,), -1, dtype=torch.int64)
+            for i, entry in enumerate(mine):
+                full[i * WIDTH] = entry.key
+                full[1 + i * WIDTH:(i + 1) * WIDTH] = entry.row
+            rows = [torch.empty_like(full) for _ in range(self.size)]
+            dist.all_gather(rows, full, group=self.control)
+            flat = [r.view(longest, WIDTH) for r in rows]
+        else:
+            flat = [g[1:].view(FIRST_BATCH, WIDTH) for g in gathered]
+        self.cycle += 1
+        table: dict[int, dict[int, torch.Tensor]] = {}
+        for rank, (rows_of_rank, n) in enumerate(zip(flat, counts, strict=True)):
+            table[rank] = {int(rows_of_rank[i, 0]): rows_of_rank[i, 1:] for i in range(n)}
+            for row in table[rank].values():
+                if int(row[0]) == KINDS["JOIN"]:
+                    self.join_seen.setdefault(rank, self.cycle)
+        self.last_table = table
+        return table
+
+    def _members(self, set_id: int) -> list[int]:
+        from dtrain.horovod import basics
+
+        process_set = basics.STATE.sets.get(set_id)
+        if process_set is None or process_set.ranks is None:
+            return list(range(self.size))
+        return list(process_set.ranks)
+
+    def _ready(self, table: dict[int, dict[int, torch.Tensor]]) -> list[Ready]:
+        """The operations every member has posted (joined ranks count for allreduce and barrier), by key."""
+        joined = {r for r, rows in table.items() if any(int(row[0]) == KINDS["JOIN"] for row in rows.values())}
+        keys = sorted({key for rows in table.values() for key in rows})
+        ready = []
+        for key in keys:
+            holders = {r: rows[key] for r, rows in table.items() if key in rows}
+            row = next(iter(holders.values()))
+            kind = KIND_NAMES.get(int(row[0]), "?")
+            members = list(range(self.size)) if kind in ("JOIN", "SHUTDOWN") else self._members(int(row[5]))
+            missing = [r for r in members if r not in holders]
+            if kind in ("JOIN", "SHUTDOWN"):
+                if not missing:
+                    ready.append(Ready(key, holders, members, []))
+                continue
+            if missing and all(r in joined for r in missing) and len(missing) < len(members):
+                ready.append(Ready(key, holders, members, missing))
+            elif not missing:
+                ready.append(Ready(key, holders, members, []))
+        return ready
+
+    def _run_ready(self, table: dict[int, dict[int, torch.Tensor]]) -> bool:
+        ready = self._ready(table)
+        if not ready:
+            return False
+        fused: dict[tuple[Any, ...], list[tuple[Ready, Entry | None]]] = {}
+        for item in ready:
+            entry = self.pending.get(item.key)
+            if self.rank not in item.members:
+                continue
+            problem = self._problem(item)
+            if entry is None:  # this rank joined: it takes part in allreduces with zeros
+                if problem is None and int(next(iter(item.rows.values()))[0]) == KINDS["ALLREDUCE"]:
+                    self._zeros(item, fused)
+                continue
+            if problem is not None:
+                self._finish(entry, error=problem)
+                continue
+            if entry.fusion is not None:
+                fused.setdefault(entry.fusion, []).append((item, entry))
+                continue
+            self._execute(entry, item)
+        for key, group in fused.items():
+            self._run_fused(key, group)
+        return True
+
+    def _problem(self, item: Ready) -> BaseException | None:
+        """The error every rank that posted `item` raises (the same on each): mismatched metadata, or a rank
+        that has joined when the op needs every rank."""
+        ranks = sorted(item.rows)
+        reference = item.rows[ranks[0]]
+        kind = KIND_NAMES.get(int(reference[0]), "?")
+        name = self._name_of(item.key)
+        if item.joined and kind not in ("ALLREDUCE", "BARRIER"):
+            return RuntimeError(f"{kind.lower()} '{name}' cannot run while rank(s) {item.joined} have called "
+                                "hvd.join(): only allreduce (zeros from the joined ranks) and barrier can")
+        first = 7 if kind in ("ALLGATHER", "ALLTOALL") else 6
+        for rank in ranks[1:]:
+            row = item.rows[rank]
+            dims = min(int(reference[2]), MAX_DIMS)
+            same = all(int(row[c]) == int(reference[c]) for c in range(6)) and torch.equal(
+                row[first:6 + dims], reference[first:6 + dims])
+            if not same:
+                return RuntimeError(f"Mismatched {kind.lower()} '{name}': rank {ranks[0]} submitted "
+                                    f"{describe(reference)} but rank {rank} submitted {describe(row)}; every rank must "
+                                    "submit the same dtype and shape under one name")
+        if int(reference[1]) == 99:
+            return RuntimeError(f"{kind.lower()} '{name}': unsupported dtype")
+        return None
+
+    def _name_of(self, key: int) -> str:
+        entry = self.pending.get(key)
+        return entry.name if entry is not None else f"<key {key}>"
+
+    def _execute(self, entry: Entry, item: Ready) -> None:
+        started = time.perf_counter()
+        try:
+            result = entry.execute(item)
+        except BaseException as error:  # noqa: BLE001 - raised at synchronize on this rank
+            self._finish(entry, error=error)
+            return
+        if entry.kind not in ("JOIN", "SHUTDOWN", "BARRIER"):
+            self._record(entry, started)
+        self._finish(entry, result=result)
+
+    def _finish(self, entry: Entry, result: Any = None, error: BaseException | None = None) -> None:
+        with self.lock:
+            self.pending.pop(entry.key, None)
+        entry.result, entry.error = result, error
+        entry.done.set()
+
+    # ---------------------------------------------------------------------------------------- allreduce
+
+    def data_group(self, set_id: int) -> Any:
+        return self.data[set_id]
+
+    def _zeros(self, item: Ready, fused: dict[tuple[Any, ...], list[tuple[Ready, Entry | None]]]) -> None:
+        row = next(iter(item.rows.values()))
+        from dtrain.horovod.ops import REDUCE_WIRE
+
+        dtype = REDUCE_WIRE.get(DTYPES[int(row[1])], DTYPES[int(row[1])])
+        op, set_id = int(row[3]), int(row[5])
+        zeros = torch.zeros(shape_of(row), dtype=dtype)
+        if op == ADASUM:
+            from dtrain.comm.adasum import adasum_all_reduce_
+
+            adasum_all_reduce_(zeros.view(-1), group=self.data_group(set_id))
+            return
+        fused.setdefault(fusion_key(set_id, dtype, op), []).append((item, None))
+        self._zero_buffers[item.key] = zeros
+
+    def _run_fused(self, key: tuple[Any, ...], group: list[tuple[Ready, Entry | None]]) -> None:
+        """One all-reduce per run of same-key allreduces up to the fusion threshold (the same runs on every rank:
+        they come from the agreed table, in key order)."""
+        set_id, _, op = key
+        chunk: list[tuple[Ready, Entry | None, torch.Tensor]] = []
+        size = 0
+        for item, entry in group:
+            buffer = entry.buffer if entry is not None else self._zero_buffers.pop(item.key)
+            assert buffer is not None
+            nbytes = buffer.numel() * buffer.element_size()
+            if chunk and size + nbytes > self.fusion_bytes:
+                self._reduce_chunk(set_id, op, chunk)
+                chunk, size = [], 0
+            chunk.append((item, entry, buffer))
+            size += nbytes
+        if chunk:
+            self._reduce_chunk(set_id, op, chunk)
+
+    def _reduce_chunk(self, set_id: int, op: int, chunk: list[tuple[Ready, Entry | None, torch.Tensor]]) -> None:
+        from dtrain.horovod.ops import TORCH_OPS
+
+        group = self.data_group(set_id)
+        started = time.perf_counter()
+        flat = chunk[0][2] if len(chunk) == 1 else torch.cat([buffer.reshape(-1) for _, _, buffer in chunk])
+        try:  # started, not waited for: the thread goes on negotiating while it travels
+            work = dist.all_reduce(flat, op=TORCH_OPS[op], group=group, async_op=True)
+        except BaseException as error:  # noqa: BLE001 - raised at synchronize
+            for _, entry, _ in chunk:
+                if entry is not None:
+                    self._finish(entry, error=error)
+            return
+        offset = 0
+        for _, entry, buffer in chunk:
+            n = buffer.numel()
+            if entry is not None:
+                entry.work = work
+                if len(chunk) > 1:
+                    entry.unpack = _copier(buffer, flat, offset, n)
+                self._record(entry, started)
+                self._finish(entry, result=entry.buffer)
+            offset += n
+
+    def _record(self, entry: Entry, started: float) -> None:
+        from dtrain.horovod import basics
+
+        basics.record_span(entry.kind, entry.name, entry.posted_perf, time.perf_counter(), started)
+
+    # ---------------------------------------------------------------------------------------- join, stalls, end
+
+    def last_joined(self) -> int:
+        latest = max(self.join_seen.values())
+        return max(r for r, c in self.join_seen.items() if c == latest)
+
+    def joined_done(self) -> None:
+        self.join_seen = {}
+
+    def check_stalls(self) -> None:
+        """Horovod's stall warning, once per operation: what this rank has posted that other ranks have not, for
+        longer than HOROVOD_STALL_CHECK_TIME_SECONDS."""
+        if self.stall_disabled:
+            return
+        now = time.monotonic()
+        with self.lock:
+            stalled = [e for e in self.pending.values() if not e.warned and now - e.posted > self.stall_seconds
+                       and e.kind not in ("JOIN", "SHUTDOWN")]
+        if not stalled:
+            return
+        missing: dict[int, list[str]] = {}
+        for entry in stalled:
+            entry.warned = True
+            for rank in entry.members:
+                if rank != self.rank and entry.key not in self.last_table.get(rank, {}):
+                    missing.setdefault(rank, []).append(entry.name)
+        lines = "\n".join(f"{rank}: [{', '.join(names)}]" for rank, names in sorted(missing.items()))
+        warnings.warn(
+            f"One or more tensors were submitted to be reduced, gathered or broadcasted by subset of ranks and are "
+            f"waiting for remainder of ranks for more than {self.stall_seconds:g} seconds. This may indicate that "
+            "different ranks are trying to submit different tensors or that only subset of ranks is submitting "
+            f"tensors, which will cause deadlock.\nMissing ranks (as of the last exchange):\n{lines}", stacklevel=2)
+
+    def _fail(self, error: BaseException) -> None:
+        with self.lock:
+            self.failure = error
+            entries = list(self.pending.values())
+            self.pending.clear()
+        for entry in entries:
+            entry.error = RuntimeError(f"the negotiation failed: {error}")
+            entry.done.set()
+
+    def stop(self, wait_seconds: float) -> None:
+        """Leave together: a SHUTDOWN every rank posts, then the thread ends. Pending operations fail."""
+        if self.failure is None and self.thread.is_alive():
+            entry = Entry("SHUTDOWN", "shutdown", 0, list(range(self.size)), metadata_row("SHUTDOWN", None),
+                          execute=self._leave)
+            try:
+                self.post(entry)
+                entry.done.wait(timeout=wait_seconds)
+            except RuntimeError:
+                pass
+        with self.lock:
+            self.stopped = True
+            leftovers = [e for e in self.pending.values()]
+            self.pending.clear()
+            self.lock.notify()
+        for entry in leftovers:
+            entry.error = RuntimeError("Horovod was shut down before this operation ran")
+            entry.done.set()
+        self.thread.join(timeout=1.0)
+
+
+    def _leave(self, ready: Ready) -> None:
+        self.stopping = True
+
+
+def _copier(buffer: torch.Tensor, flat: torch.Tensor, offset: int, n: int) -> Callable[[], None]:
+    def copy() -> None:
+        buffer.view(-1).copy_(flat[offset:offset + n])
+
+    return copy
+
+
+def fusion_key(set_id: int, wire_dtype: torch.dtype, op: int) -> tuple[Any, ...]:
+    return (set_id, wire_dtype, op)
+
+
+COORDINATOR: list[Coordinator | None] = [None]
