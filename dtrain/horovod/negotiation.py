@@ -68,6 +68,15 @@ def describe(row: torch.Tensor) -> str:
         1, 5) else "") + (f" root {int(row[4])}" if int(row[0]) == 3 else "")
 
 
+def rows_differ(kind: str, row: torch.Tensor, reference: torch.Tensor) -> bool:
+    """Whether two ranks' rows disagree on what must agree under one name (dim 0 is free for allgather and
+    alltoall)."""
+    first = 7 if kind in ("ALLGATHER", "ALLTOALL") else 6
+    dims = min(int(reference[2]), MAX_DIMS)
+    return not (all(int(row[c]) == int(reference[c]) for c in range(6))
+                and torch.equal(row[first:6 + dims], reference[first:6 + dims]))
+
+
 def shape_of(row: torch.Tensor) -> list[int]:
     return [int(d) for d in row[6:6 + min(int(row[2]), MAX_DIMS)]]
 
@@ -302,13 +311,9 @@ class Coordinator:
         if item.joined and kind not in ("ALLREDUCE", "BARRIER"):
             return RuntimeError(f"{kind.lower()} '{name}' cannot run while rank(s) {item.joined} have called "
                                 "hvd.join(): only allreduce (zeros from the joined ranks) and barrier can")
-        first = 7 if kind in ("ALLGATHER", "ALLTOALL") else 6
         for rank in ranks[1:]:
             row = item.rows[rank]
-            dims = min(int(reference[2]), MAX_DIMS)
-            same = all(int(row[c]) == int(reference[c]) for c in range(6)) and torch.equal(
-                row[first:6 + dims], reference[first:6 + dims])
-            if not same:
+            if rows_differ(kind, row, reference):
                 return RuntimeError(f"Mismatched {kind.lower()} '{name}': rank {ranks[0]} submitted "
                                     f"{describe(reference)} but rank {rank} submitted {describe(row)}; every rank must "
                                     "submit the same dtype and shape under one name")

@@ -23,13 +23,13 @@ from dtrain.horovod import basics
 from dtrain.horovod.basics import Adasum, Average, Max, Min, ProcessSet, Product, Sum, global_process_set
 from dtrain.horovod.negotiation import (
     COORDINATOR,
-    MAX_DIMS,
     ROW,
     Entry,
     Ready,
     describe,
     fusion_key,
     metadata_row,
+    rows_differ,
 )
 
 REDUCIBLE = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
@@ -104,14 +104,9 @@ def negotiate(kind: str, name: str, tensor: torch.Tensor | None, group: Any, op:
     table = _exchange(metadata_row(kind, tensor, op, root), group)
     members = list(ranks) if ranks is not None else list(range(table.shape[0]))
     reference = table[0]
-    free_first_dim = kind in ("ALLGATHER", "ALLTOALL")
     for i in range(1, table.shape[0]):
         row = table[i]
-        dims = min(int(reference[2]), MAX_DIMS)
-        first = 7 if free_first_dim else 6
-        same = all(int(row[c]) == int(reference[c]) for c in range(5)) and torch.equal(
-            row[first:6 + dims], reference[first:6 + dims])
-        if not same:
+        if rows_differ(kind, row, reference):
             raise RuntimeError(f"Mismatched {kind.lower()} '{name}': rank {members[0]} submitted "
                                f"{describe(reference)} but rank {members[i]} submitted {describe(row)}; every "
                                "rank must call the same collectives with the same dtypes and shapes")
