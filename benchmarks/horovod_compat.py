@@ -11,8 +11,15 @@ Headline `img_per_sec_ratio_vs_ddp`: horovodrun / DDP, the median of the ratios 
 `img_per_sec_ratio_vs_ddp_per_round` beside it (target >= 0.97). Real Horovod 0.28.1 does not build against
 torch 2.13 here (docs/horovod.md), so it is not a variant.
 
+`--baseline-tree DIR` adds a fourth variant, run beside horovodrun in each round: the same horovodrun with another
+checkout of dtrain first on PYTHONPATH (for the negotiation by name, the order-matched code it replaced). Its
+headline `negotiation_img_per_sec_ratio` is this tree's horovodrun / the baseline's, median of paired rounds
+(target >= 0.97: the negotiation costs at most 3 %), with the baseline's commit beside it.
+
     flock /tmp/dtrain-bench.lock .venv/bin/python benchmarks/horovod_compat.py            # 5 rounds, ~5 min
     flock /tmp/dtrain-bench.lock .venv/bin/python benchmarks/horovod_compat.py --quick    # 2 short rounds
+    git worktree add /tmp/baseline <commit>; flock /tmp/dtrain-bench.lock .venv/bin/python \
+        benchmarks/horovod_compat.py --baseline-tree /tmp/baseline --rounds 8
 """
 
 from __future__ import annotations
@@ -67,13 +74,14 @@ def env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "DTRAIN_LAUNCHER"}
 
 
-def run_horovodrun(args: argparse.Namespace, workdir: Path, repeat: int) -> dict[str, Any]:
-    out = workdir / f"horovodrun-{repeat}.json"
+def run_horovodrun(args: argparse.Namespace, workdir: Path, repeat: int, tree: Path = REPO) -> dict[str, Any]:
+    """The script under `dtrain horovodrun -np 2`, with the dtrain of `tree` (this checkout by default)."""
+    out = workdir / f"horovodrun-{tree.name}-{repeat}.json"
     done = subprocess.run([sys.executable, "-m", "dtrain.cli", "horovodrun", "-np", "2", "python", str(SCRIPT),
                            "--batch-size", str(BATCH), "--image-size", str(IMAGE), "--num-warmup-batches",
                            str(args.warmup), "--num-batches-per-iter", str(args.batches_per_iter), "--num-iters",
-                           str(args.iters), "--results", str(out)], capture_output=True, text=True, env=env(),
-                          cwd=workdir)
+                           str(args.iters), "--results", str(out)], capture_output=True, text=True,
+                          env={**env(), "PYTHONPATH": str(tree)}, cwd=workdir)
     if done.returncode != 0:
         raise RuntimeError(f"dtrain horovodrun failed: {done.stderr[-2000:]}")
     return {"img_sec_per_worker": json.loads(out.read_text())["img_sec_per_worker"]}
@@ -117,6 +125,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     parser.add_argument("--batches-per-iter", type=int, default=5, help="steps per timed iteration (default 5)")
     parser.add_argument("--iters", type=int, default=6, help="timed iterations (default 6)")
+    parser.add_argument("--baseline-tree", type=Path, help="another dtrain checkout run as a fourth variant, "
+                        "beside horovodrun (headline negotiation_img_per_sec_ratio)")
     parser.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -125,22 +135,38 @@ def main() -> None:
         return
     if args.quick:
         args.rounds, args.warmup, args.batches_per_iter, args.iters = 2, 2, 2, 3
-    from common import alternate, machine_info, markdown_table, ratio_headline, rounds_of, write_results
+    from common import alternate, git_commit, machine_info, markdown_table, ratio_headline, rounds_of, write_results
 
-    labels = ("dtrain horovodrun (Horovod script)", "DDP under torchrun", "dtrain run (Trial)")
+    labels = ("dtrain horovodrun (Horovod script)", "DDP under torchrun", "dtrain run (Trial)",
+              "dtrain horovodrun, baseline tree")
+    baseline = args.baseline_tree.resolve() if args.baseline_tree else None
     with tempfile.TemporaryDirectory(prefix="horovod_compat-") as tmp:
         workdir = Path(tmp)
-        rows = alternate([(labels[0], lambda r: retried(run_horovodrun, args, workdir, r)),
-                          (labels[1], lambda r: retried(run_ddp, args, workdir, r)),
-                          (labels[2], lambda r: retried(run_dtrain, args, workdir, r))], args.rounds)
+        variants = [(labels[0], lambda r: retried(run_horovodrun, args, workdir, r))]
+        if baseline is not None:
+            tree: Path = baseline
+
+            def run_baseline(args: argparse.Namespace, workdir: Path, repeat: int) -> dict[str, Any]:
+                return run_horovodrun(args, workdir, repeat, tree)
+
+            variants.append((labels[3], lambda r: retried(run_baseline, args, workdir, r)))
+        variants += [(labels[1], lambda r: retried(run_ddp, args, workdir, r)),
+                     (labels[2], lambda r: retried(run_dtrain, args, workdir, r))]
+        rows = alternate(variants, args.rounds)
     ours = rounds_of(rows, labels[0], "img_sec_per_worker")
+    negotiation: dict[str, Any] = {}
+    if baseline is not None:
+        negotiation = {**ratio_headline("negotiation_img_per_sec_ratio", ours,
+                                        rounds_of(rows, labels[3], "img_sec_per_worker")),
+                       "negotiation_target": "negotiation_img_per_sec_ratio >= 0.97",
+                       "baseline_commit": git_commit(baseline)}
     headline: dict[str, Any] = {
         **ratio_headline("img_per_sec_ratio_vs_ddp", ours, rounds_of(rows, labels[1], "img_sec_per_worker")),
         **ratio_headline("img_per_sec_ratio_vs_dtrain_run", ours, rounds_of(rows, labels[2], "img_sec_per_worker")),
         "target": "img_per_sec_ratio_vs_ddp >= 0.97", "workers": 2, "batch_per_worker": BATCH,
         "image_size": IMAGE, "rounds": args.rounds,
         "real_horovod": "does not build against torch 2.13 (docs/horovod.md)",
-        "retried_runs": sum(1 for r in rows if r["attempts"] > 1)}
+        "retried_runs": sum(1 for r in rows if r["attempts"] > 1), **negotiation}
     per_round = ", ".join(f"{v:.3f}" for v in headline["img_per_sec_ratio_vs_ddp_per_round"])
     markdown = "\n\n".join([
         "# horovod_compat",
@@ -150,10 +176,15 @@ def main() -> None:
         f"**img/s per worker, horovodrun / DDP: {headline['img_per_sec_ratio_vs_ddp']:.3f}** (median of paired "
         f"rounds: {per_round}; target >= 0.97); horovodrun / dtrain run: "
         f"{headline['img_per_sec_ratio_vs_dtrain_run']:.3f} (dtrain run's figure includes its warm-up steps).",
+        *([f"**horovodrun / the same under the baseline tree ({str(negotiation['baseline_commit']['commit'])[:7]}): "
+           f"{negotiation['negotiation_img_per_sec_ratio']:.3f}** (median of paired rounds: "
+           + ", ".join(f"{v:.3f}" for v in negotiation["negotiation_img_per_sec_ratio_per_round"])
+           + "; target >= 0.97)"] if negotiation else []),
         markdown_table(["variant", "round", "img/s per worker"],
                        [[r["variant"], r["repeat"], r["img_sec_per_worker"]] for r in rows]),
         f"Reproduce: `flock /tmp/dtrain-bench.lock .venv/bin/python benchmarks/horovod_compat.py"
-        f"{' --quick' if args.quick else ''}`"])
+        f"{' --quick' if args.quick else ''}"
+        f"{' --baseline-tree <checkout of the baseline commit>' if baseline else ''} --rounds {args.rounds}`"])
     path = write_results("horovod_compat_quick" if args.quick else "horovod_compat", headline, rows, markdown,
                          machine_info())
     print(markdown)

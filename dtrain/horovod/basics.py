@@ -29,7 +29,6 @@ IGNORED_KNOBS = {
     "HOROVOD_CYCLE_TIME": "the negotiation cycles whenever an operation is pending, backing off up to 5 ms",
     "HOROVOD_AUTOTUNE": "fusion is per dtype up to HOROVOD_FUSION_THRESHOLD; nothing is tuned at run time",
     "HOROVOD_HIERARCHICAL_ALLREDUCE": "gloo all-reduce is flat",
-    "HOROVOD_CACHE_CAPACITY": "there is no response cache: shapes are checked on every call",
 }
 
 

@@ -12,6 +12,15 @@ torch.distributed calls. A name posted twice on one rank while the first is pend
 rank only; mismatched shapes or dtypes under one name raise RuntimeError on every rank that posted it; an
 operation some ranks have not posted for HOROVOD_STALL_CHECK_TIME_SECONDS (60) is reported as Horovod's stall
 warning, naming the missing ranks.
+
+The response cache (Horovod's, HOROVOD_CACHE_CAPACITY entries, 1024 by default, 0 turns it off): once every member
+has posted an allreduce, broadcast, reducescatter or barrier under one name with one row, that response gets a
+position in a cache every rank builds identically from the agreed table. A cycle then starts with one all-gather of
+a byte per position (1: posted here with the cached row, or not a member of its set) and a first byte saying
+whether everything this rank has pending is cached; when every rank says so, the positions set on every rank run
+in cache order and the full exchange is skipped. A new name, a changed row (shape, dtype, op, root), a join, a
+shutdown, or a cycle that ran nothing sends everyone through the full exchange, which re-caches a changed row under
+its old position and drops one that mismatched.
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ WIDTH = 1 + ROW  # key, row
 FIRST_BATCH = 32  # entries that travel in a cycle's first all-gather; more take a second one
 ADASUM = 2
 DEFAULT_FUSION_BYTES = 64 * 1024 * 1024
+DEFAULT_CACHE_CAPACITY = 1024
+CACHEABLE = {KINDS["ALLREDUCE"], KINDS["BROADCAST"], KINDS["REDUCESCATTER"], KINDS["BARRIER"]}
 
 
 def metadata_row(kind: str, tensor: torch.Tensor | None, op: int = 0, root: int = -1, set_id: int = 0
@@ -98,6 +109,24 @@ class Ready:
 
 
 @dataclass
+class Cached:
+    """One response in the cache: the agreed row under a key, and the global ranks that take part in it."""
+
+    key: int
+    row: tuple[int, ...] | None  # None: dropped after a mismatch (the position stays, so positions agree)
+    members: list[int]
+
+
+@dataclass
+class Started:
+    """What an `execute` returns when it started its transfer without waiting: the entry's result, and the work
+    that `wait` (and `poll`) ask."""
+
+    work: Any
+    result: Any
+
+
+@dataclass
 class Entry:
     """One posted operation: `execute(ready)` runs on the coordinator thread once every member has posted it."""
 
@@ -110,6 +139,7 @@ class Entry:
     fusion: tuple[Any, ...] | None = None  # allreduces with the same fusion key may share one buffer
     buffer: torch.Tensor | None = None  # the fused allreduce's input and output
     key: int = 0
+    row_key: tuple[int, ...] = ()  # `row` as Python ints, compared with the cache
     posted: float = field(default_factory=time.monotonic)
     posted_perf: float = field(default_factory=time.perf_counter)
     done: threading.Event = field(default_factory=threading.Event)
@@ -153,6 +183,12 @@ class Coordinator:
         self.cycle = 0
         self.join_seen: dict[int, int] = {}  # rank -> the cycle its join was first seen in
         self.last_table: dict[int, dict[int, torch.Tensor]] = {}
+        self.last_flags: list[list[int]] | None = None  # the last cached cycle's flags, rank by rank
+        self.last_ran: set[int] = set()  # keys the last cycle ran: no longer posted anywhere
+        self.cache: list[Cached] = []
+        self.cache_index: dict[int, int] = {}  # key -> position
+        self.cache_capacity = int(os.environ.get("HOROVOD_CACHE_CAPACITY", str(DEFAULT_CACHE_CAPACITY)))
+        self.cycles_cached = 0  # cycles that skipped the full exchange (read by tests)
         self.stall_seconds = float(os.environ.get("HOROVOD_STALL_CHECK_TIME_SECONDS", "60"))
         self.stall_disabled = os.environ.get("HOROVOD_STALL_CHECK_DISABLE") == "1"
         self.fusion_bytes = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", str(DEFAULT_FUSION_BYTES)))
@@ -177,6 +213,7 @@ class Coordinator:
     def post(self, entry: Entry) -> Entry:
         """Queue `entry`; ValueError (on this rank only) when its name is still pending here."""
         entry.key = key_of(entry.set_id, entry.name)
+        entry.row_key = tuple(entry.row.tolist())
         with self.lock:
             if self.failure is not None:
                 raise RuntimeError(f"the negotiation thread failed earlier: {self.failure}")
@@ -193,6 +230,7 @@ class Coordinator:
 
     def _run(self) -> None:
         idle_cycles = 0
+        progressed = True
         while True:
             with self.lock:
                 while not self.pending and not self.stopped:
@@ -201,8 +239,7 @@ class Coordinator:
                     return
                 mine = sorted(self.pending.values(), key=lambda e: e.key)
             try:
-                table = self._exchange(mine)
-                progressed = self._run_ready(table)
+                progressed = self._cycle(mine, refresh=not progressed)
             except BaseException as error:  # noqa: BLE001 - every waiter gets it
                 self._fail(error)
                 return
@@ -214,6 +251,53 @@ class Coordinator:
             else:  # the others are behind: back off a little rather than spin the all-gather
                 idle_cycles += 1
                 time.sleep(min(0.0002 * idle_cycles, 0.005))
+
+    def _cycle(self, mine: list[Entry], refresh: bool) -> bool:
+        """One negotiation cycle, the same on every rank: the cached fast path when every rank has only cached
+        responses pending, else the full exchange. `refresh` (the last cycle ran nothing) asks for the full
+        exchange, so that a stall warning names who is missing from a table of this moment."""
+        if self.cache:
+            flags = self._exchange_flags(mine, refresh)
+            if all(row[0] for row in flags):
+                return self._run_cached(flags, {entry.key: entry for entry in mine})
+        return self._run_ready(self._exchange(mine))
+
+    def _is_cached(self, entry: Entry) -> bool:
+        position = self.cache_index.get(entry.key)
+        return position is not None and self.cache[position].row == entry.row_key
+
+    def _exchange_flags(self, mine: list[Entry], refresh: bool) -> list[list[int]]:
+        """All-gather a byte per cache position (this rank posted it with the cached row, or is no member) and a
+        first byte (everything pending here is cached)."""
+        flags = [0] * (1 + len(self.cache))
+        flags[0] = int(not refresh and all(self._is_cached(entry) for entry in mine))
+        for entry in mine:
+            if self._is_cached(entry):
+                flags[1 + self.cache_index[entry.key]] = 1
+        for position, cached in enumerate(self.cache):
+            if self.rank not in cached.members:
+                flags[1 + position] = 1
+        mine_flags = torch.tensor(flags, dtype=torch.uint8)
+        gathered = [torch.empty_like(mine_flags) for _ in range(self.size)]
+        dist.all_gather(gathered, mine_flags, group=self.control)
+        return torch.stack(gathered).tolist()
+
+    def _run_cached(self, flags: list[list[int]], mine: dict[int, Entry]) -> bool:
+        """Run, in cache order, the cached responses every rank has flagged."""
+        self.cycle += 1
+        self.cycles_cached += 1
+        self.last_flags, self.last_table = flags, {}
+        ready = [position for position in range(len(self.cache)) if all(row[1 + position] for row in flags)
+                 and self.cache[position].row is not None]
+        runnable: list[tuple[Ready, Entry]] = []
+        for position in ready:
+            cached = self.cache[position]
+            entry = mine.get(cached.key)
+            if entry is not None:  # None: this rank is no member of the response's process set
+                runnable.append((Ready(cached.key, {}, cached.members, []), entry))
+        self.last_ran = {self.cache[position].key for position in ready}
+        self._dispatch(runnable)
+        return bool(ready)
 
     def _exchange(self, mine: list[Entry]) -> dict[int, dict[int, torch.Tensor]]:
         """Every rank's posted entries: rank -> key -> row."""
@@ -244,7 +328,7 @@ class Coordinator:
             for row in table[rank].values():
                 if int(row[0]) == KINDS["JOIN"]:
                     self.join_seen.setdefault(rank, self.cycle)
-        self.last_table = table
+        self.last_table, self.last_flags = table, None
         return table
 
     def _members(self, set_id: int) -> list[int]:
@@ -278,14 +362,17 @@ class Coordinator:
 
     def _run_ready(self, table: dict[int, dict[int, torch.Tensor]]) -> bool:
         ready = self._ready(table)
+        self.last_ran = {item.key for item in ready}
         if not ready:
             return False
         fused: dict[tuple[Any, ...], list[tuple[Ready, Entry | None]]] = {}
+        runnable: list[tuple[Ready, Entry]] = []
         for item in ready:
+            problem = self._problem(item)
+            self._remember(item, problem)
             entry = self.pending.get(item.key)
             if self.rank not in item.members:
                 continue
-            problem = self._problem(item)
             if entry is None:  # this rank joined: it takes part in allreduces with zeros
                 if problem is None and int(next(iter(item.rows.values()))[0]) == KINDS["ALLREDUCE"]:
                     self._zeros(item, fused)
@@ -293,13 +380,39 @@ class Coordinator:
             if problem is not None:
                 self._finish(entry, error=problem)
                 continue
+            runnable.append((item, entry))
+        self._dispatch(runnable, fused)
+        return True
+
+    def _remember(self, item: Ready, problem: BaseException | None) -> None:
+        """Update the response cache from one agreed ready item (the same on every rank, members or not): cache a
+        new cacheable response, re-cache a changed row under its position, drop one that mismatched."""
+        position = self.cache_index.get(item.key)
+        if problem is not None:
+            if position is not None:
+                self.cache[position].row = None
+            return
+        rows = [tuple(row.tolist()) for row in item.rows.values()]
+        if item.joined or rows[0][0] not in CACHEABLE or any(row != rows[0] for row in rows):
+            return
+        if position is not None:
+            self.cache[position].row = rows[0]
+        elif len(self.cache) < self.cache_capacity:
+            self.cache_index[item.key] = len(self.cache)
+            self.cache.append(Cached(item.key, rows[0], item.members))
+
+    def _dispatch(self, runnable: list[tuple[Ready, Entry]],
+                  fused: dict[tuple[Any, ...], list[tuple[Ready, Entry | None]]] | None = None) -> None:
+        """Run this rank's part of a ready set in the agreed order: fusable allreduces by fusion key, after the
+        others."""
+        fused = {} if fused is None else fused
+        for item, entry in runnable:
             if entry.fusion is not None:
                 fused.setdefault(entry.fusion, []).append((item, entry))
-                continue
-            self._execute(entry, item)
+            else:
+                self._execute(entry, item)
         for key, group in fused.items():
             self._run_fused(key, group)
-        return True
 
     def _problem(self, item: Ready) -> BaseException | None:
         """The error every rank that posted `item` raises (the same on each): mismatched metadata, or a rank
@@ -334,6 +447,8 @@ class Coordinator:
             return
         if entry.kind not in ("JOIN", "SHUTDOWN", "BARRIER"):
             self._record(entry, started)
+        if isinstance(result, Started):
+            entry.work, result = result.work, result.result
         self._finish(entry, result=result)
 
     def _finish(self, entry: Entry, result: Any = None, error: BaseException | None = None) -> None:
@@ -433,7 +548,7 @@ class Coordinator:
         for entry in stalled:
             entry.warned = True
             for rank in entry.members:
-                if rank != self.rank and entry.key not in self.last_table.get(rank, {}):
+                if rank != self.rank and entry.key not in self._posted_by(rank):
                     missing.setdefault(rank, []).append(entry.name)
         lines = "\n".join(f"{rank}: [{', '.join(names)}]" for rank, names in sorted(missing.items()))
         warnings.warn(
@@ -441,6 +556,14 @@ class Coordinator:
             f"waiting for remainder of ranks for more than {self.stall_seconds:g} seconds. This may indicate that "
             "different ranks are trying to submit different tensors or that only subset of ranks is submitting "
             f"tensors, which will cause deadlock.\nMissing ranks (as of the last exchange):\n{lines}", stacklevel=2)
+
+    def _posted_by(self, rank: int) -> set[int]:
+        """The keys `rank` had posted at the last cycle, from its full table or its cache flags."""
+        if self.last_flags is None:
+            return set(self.last_table.get(rank, {})) - self.last_ran
+        flags = self.last_flags[rank]
+        return {cached.key for position, cached in enumerate(self.cache[:len(flags) - 1])
+                if flags[1 + position] and rank in cached.members} - self.last_ran
 
     def _fail(self, error: BaseException) -> None:
         with self.lock:

@@ -26,6 +26,7 @@ from dtrain.horovod.negotiation import (
     ROW,
     Entry,
     Ready,
+    Started,
     describe,
     fusion_key,
     metadata_row,
@@ -679,9 +680,8 @@ def _start_reducescatter(tensor: torch.Tensor, op: int, prescale: float, postsca
     buffer = _scaled_input(_work_tensor(tensor), tensor.dtype, prescale)
     offset, count = _my_rows(tensor.shape[0], process_set.size(), process_set.rank())
 
-    def reduce(ready: Ready) -> torch.Tensor:
-        dist.all_reduce(buffer, group=_data_group(process_set))
-        return buffer
+    def reduce(ready: Ready) -> Started:  # started, not waited for: poll asks the transfer
+        return Started(dist.all_reduce(buffer, group=_data_group(process_set), async_op=True), buffer)
 
     entry = _post("REDUCESCATTER", name, process_set, tensor, reduce, op=op)
 

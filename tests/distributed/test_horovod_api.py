@@ -53,14 +53,15 @@ def _sparse_and_async(hvd: Any, size: int, rank: int) -> dict[str, Any]:
     torch.distributed.all_reduce = holding  # each transfer reads unfinished until synchronize waits for it
     try:
         handles = [hvd.reducescatter_async(big * (i + 1), name=f"scatter.{i}", op=hvd.Sum) for i in range(5)]
+        # poll must ask the negotiation and the transfer, never wait: unposted elsewhere or held, each is unfinished
+        out["reducescatter_polled_false"] = not any(hvd.poll(h) for h in handles)
+        share = big.shape[0] // size
+        out["reducescatter_results"] = all(
+            torch.equal(hvd.synchronize(h), (big[rank * share:(rank + 1) * share] * (i + 1) * size))
+            for i, h in enumerate(handles))
+        out["reducescatter_polled_false"] &= len(held) == 5  # each transfer was started without waiting
     finally:
         torch.distributed.all_reduce = real_all_reduce
-    # poll must ask the transfer, never wait for it: a post that waited would have released it
-    out["reducescatter_polled_false"] = len(held) == 5 and not any(hvd.poll(h) for h in handles)
-    share = big.shape[0] // size
-    out["reducescatter_results"] = all(
-        torch.equal(hvd.synchronize(h), (big[rank * share:(rank + 1) * share] * (i + 1) * size))
-        for i, h in enumerate(handles))
     return out
 
 
