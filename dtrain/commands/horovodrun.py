@@ -44,13 +44,13 @@ def register(subcommands: Any) -> argparse.ArgumentParser:
                         "to join (default 30)")
     parser.add_argument("--timeline-filename", help="write a Chrome-trace timeline of the collectives (rank 0 "
                         "here; rank r to FILE.rank-r)")
-    parser.add_argument("--timeline-mark-cycles", action="store_true", help="accepted; there are no cycles")
+    parser.add_argument("--timeline-mark-cycles", action="store_true", help="accepted; cycles are not marked")
     parser.add_argument("--fusion-threshold-mb", type=float, help="largest fused gradient buffer, MB (default "
                         "128; 0 = no fusion)")
-    parser.add_argument("--cycle-time-ms", type=float, help="accepted and reported as ignored (no background "
-                        "cycle)")
-    parser.add_argument("--cache-capacity", type=int, help="accepted and reported as ignored (no response "
-                        "cache)")
+    parser.add_argument("--cycle-time-ms", type=float, help="accepted and reported as ignored (the "
+                        "negotiation cycles whenever an operation is pending)")
+    parser.add_argument("--cache-capacity", type=int, help="entries of the negotiation's response cache "
+                        "(default 1024; 0 = every cycle negotiates in full)")
     parser.add_argument("--hierarchical-allreduce", action="store_true", help="accepted and reported as ignored "
                         "(gloo all-reduce is flat)")
     parser.add_argument("--autotune", action="store_true", help="accepted and reported as ignored")

@@ -51,6 +51,7 @@ FIRST_BATCH = 32  # entries that travel in a cycle's first all-gather; more take
 ADASUM = 2
 DEFAULT_FUSION_BYTES = 64 * 1024 * 1024
 DEFAULT_CACHE_CAPACITY = 1024
+DEFAULT_CYCLE_MS = 1.0
 CACHEABLE = {KINDS["ALLREDUCE"], KINDS["BROADCAST"], KINDS["REDUCESCATTER"], KINDS["BARRIER"]}
 
 
@@ -150,10 +151,13 @@ class Entry:
     unpack: Callable[[], None] | None = None  # after `work`: copy this entry's part out of the fused buffer
 
     def wait(self) -> Any:
-        """Block until the operation ran; re-raise its error. Warns of a stall while waiting."""
-        while not self.done.wait(timeout=1.0):
+        """Block until the operation ran, running the negotiation's cycles on this thread when no other thread
+        is; re-raise its error. Warns of a stall while waiting."""
+        while not self.done.is_set():
             coordinator = COORDINATOR[0]
-            if coordinator is not None:
+            if coordinator is not None and coordinator.drive(self.done):
+                continue
+            if not self.done.wait(timeout=0.05 if coordinator is not None else 1.0) and coordinator is not None:
                 coordinator.check_stalls()
         if self.error is not None:
             raise self.error
@@ -179,6 +183,11 @@ class Coordinator:
         self.data: dict[int, Any] = {0: dist.new_group(timeout=timedelta(seconds=timeout_seconds))}
         self.timeout_seconds = timeout_seconds
         self.pending: dict[int, Entry] = {}
+        self.set_members: dict[int, list[int]] = {0: list(range(size))}  # process set id -> its global ranks
+        self.cycle_lock = threading.Lock()  # one cycle at a time, run by the background thread or a waiter
+        self.cycle_seconds = float(os.environ.get("HOROVOD_CYCLE_TIME", str(DEFAULT_CYCLE_MS))) / 1000
+        self.progressed = True  # the last cycle ran something (else the next one is a full exchange)
+        self.idle_cycles = 0
         self.lock = threading.Condition()
         self.cycle = 0
         self.join_seen: dict[int, int] = {}  # rank -> the cycle its join was first seen in
@@ -202,7 +211,10 @@ class Coordinator:
     # ---------------------------------------------------------------------------------------- posting
 
     def add_set(self, set_id: int, ranks: list[int]) -> None:
-        """A data group for a new process set (every rank calls this, in the same order)."""
+        """A data group for a new process set (every rank calls this, in the same order). Its members are known
+        to this thread before new_group's barrier lets any rank post to the set, and kept after the set is
+        removed (ids are not reused), so every rank reads the same members from the same table."""
+        self.set_members[set_id] = list(ranks)
         self.data[set_id] = dist.new_group(ranks, timeout=timedelta(seconds=self.timeout_seconds))
 
     def remove_set(self, set_id: int, member: bool) -> None:
@@ -229,28 +241,59 @@ class Coordinator:
     # ---------------------------------------------------------------------------------------- the cycle
 
     def _run(self) -> None:
-        idle_cycles = 0
-        progressed = True
+        """The background thread: after a post, wait one cycle time (a rank about to wait for the operation runs
+        the cycle itself meanwhile, see `drive`), then cycle while anything is pending. While another thread holds
+        the cycle (blocked until the other ranks post), it keeps the stall warning going."""
         while True:
             with self.lock:
                 while not self.pending and not self.stopped:
                     self.lock.wait()
                 if self.stopped and not self.pending:
                     return
-                mine = sorted(self.pending.values(), key=lambda e: e.key)
+            time.sleep(self.cycle_seconds)
+            if not self.cycle_lock.acquire(timeout=1.0):
+                self.check_stalls()
+                continue
             try:
-                progressed = self._cycle(mine, refresh=not progressed)
-            except BaseException as error:  # noqa: BLE001 - every waiter gets it
-                self._fail(error)
-                return
-            if self.stopping:
+                self._one_cycle()
+            finally:
+                self.cycle_lock.release()
+            if self.stopping or self.failure is not None:
                 return
             self.check_stalls()
-            if progressed:
-                idle_cycles = 0
-            else:  # the others are behind: back off a little rather than spin the all-gather
-                idle_cycles += 1
-                time.sleep(min(0.0002 * idle_cycles, 0.005))
+
+    def drive(self, done: threading.Event) -> bool:
+        """Run cycles on the calling thread (one waiting for an operation) until `done` is set: no hand-over to
+        the background thread and back on the way. False when the cycle is busy elsewhere or cannot run."""
+        if not self.cycle_lock.acquire(blocking=False):
+            return False
+        try:
+            while not done.is_set():
+                if self._one_cycle() is None:
+                    return False
+            return True
+        finally:
+            self.cycle_lock.release()
+
+    def _one_cycle(self) -> bool | None:
+        """One cycle over what this rank has pending (the caller holds `cycle_lock`): whether it ran anything
+        anywhere, or None when nothing is pending, the negotiation ended or it failed (every waiter is told)."""
+        with self.lock:
+            if not self.pending or self.stopping or self.failure is not None:
+                return None
+            mine = sorted(self.pending.values(), key=lambda e: e.key)
+        try:
+            progressed = self._cycle(mine, refresh=not self.progressed)
+        except BaseException as error:  # noqa: BLE001 - every waiter gets it
+            self._fail(error)
+            return None
+        self.progressed = progressed
+        if progressed:
+            self.idle_cycles = 0
+        else:  # the others are behind: back off a little rather than spin the all-gather
+            self.idle_cycles += 1
+            time.sleep(min(0.0002 * self.idle_cycles, 0.005))
+        return progressed
 
     def _cycle(self, mine: list[Entry], refresh: bool) -> bool:
         """One negotiation cycle, the same on every rank: the cached fast path when every rank has only cached
@@ -332,12 +375,7 @@ class Coordinator:
         return table
 
     def _members(self, set_id: int) -> list[int]:
-        from dtrain.horovod import basics
-
-        process_set = basics.STATE.sets.get(set_id)
-        if process_set is None or process_set.ranks is None:
-            return list(range(self.size))
-        return list(process_set.ranks)
+        return self.set_members.get(set_id, self.set_members[0])
 
     def _ready(self, table: dict[int, dict[int, torch.Tensor]]) -> list[Ready]:
         """The operations every member has posted (joined ranks count for allreduce and barrier), by key."""
