@@ -622,15 +622,23 @@ class Coordinator:
                 entry.done.wait(timeout=wait_seconds)
             except RuntimeError:
                 pass
+        self._drop_pending("Horovod was shut down before this operation ran")
+        self.thread.join(timeout=1.0)
+
+    def abandon(self) -> None:
+        """Stop without the other ranks (elastic: the process group broke and is being destroyed): pending
+        operations fail; the thread ends when its collective, if any, fails with the group."""
+        self._drop_pending("the process group was re-formed before this operation ran")
+
+    def _drop_pending(self, message: str) -> None:
         with self.lock:
             self.stopped = True
-            leftovers = [e for e in self.pending.values()]
+            leftovers = list(self.pending.values())
             self.pending.clear()
             self.lock.notify()
         for entry in leftovers:
-            entry.error = RuntimeError("Horovod was shut down before this operation ran")
+            entry.error = RuntimeError(message)
             entry.done.set()
-        self.thread.join(timeout=1.0)
 
 
     def _leave(self, ready: Ready) -> None:

@@ -131,10 +131,12 @@ _NEXT = [0]
 
 
 def forget_pending() -> None:
-    """Drop every async op not yet synchronized and the join count (elastic: the process group they ran on is
-    gone, and a new membership starts counting negotiations afresh on every rank)."""
+    """Drop every async op not yet synchronized and this rank's negotiation (elastic: the process group they ran
+    on is gone; `init` starts a new negotiation, with an empty cache, for the new membership)."""
     _HANDLES.clear()
-    JOIN.joined, JOIN.cycle = False, 0
+    coordinator, COORDINATOR[0] = COORDINATOR[0], None
+    if coordinator is not None:
+        coordinator.abandon()
 
 
 def _submit(name: str, finish: Callable[[], Any], work: Any = None) -> int:
