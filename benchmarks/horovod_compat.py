@@ -127,6 +127,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=6, help="timed iterations (default 6)")
     parser.add_argument("--baseline-tree", type=Path, help="another dtrain checkout run as a fourth variant, "
                         "beside horovodrun (headline negotiation_img_per_sec_ratio)")
+    parser.add_argument("--no-dtrain-run", action="store_true", help="leave out the dtrain run variant (a shorter "
+                        "run; its ratio is then absent)")
     parser.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -150,8 +152,9 @@ def main() -> None:
                 return run_horovodrun(args, workdir, repeat, tree)
 
             variants.append((labels[3], lambda r: retried(run_baseline, args, workdir, r)))
-        variants += [(labels[1], lambda r: retried(run_ddp, args, workdir, r)),
-                     (labels[2], lambda r: retried(run_dtrain, args, workdir, r))]
+        variants.append((labels[1], lambda r: retried(run_ddp, args, workdir, r)))
+        if not args.no_dtrain_run:
+            variants.append((labels[2], lambda r: retried(run_dtrain, args, workdir, r)))
         rows = alternate(variants, args.rounds)
     ours = rounds_of(rows, labels[0], "img_sec_per_worker")
     negotiation: dict[str, Any] = {}
@@ -162,7 +165,8 @@ def main() -> None:
                        "baseline_commit": git_commit(baseline)}
     headline: dict[str, Any] = {
         **ratio_headline("img_per_sec_ratio_vs_ddp", ours, rounds_of(rows, labels[1], "img_sec_per_worker")),
-        **ratio_headline("img_per_sec_ratio_vs_dtrain_run", ours, rounds_of(rows, labels[2], "img_sec_per_worker")),
+        **({} if args.no_dtrain_run else ratio_headline("img_per_sec_ratio_vs_dtrain_run", ours, rounds_of(
+            rows, labels[2], "img_sec_per_worker"))),
         "target": "img_per_sec_ratio_vs_ddp >= 0.97", "workers": 2, "batch_per_worker": BATCH,
         "image_size": IMAGE, "rounds": args.rounds,
         "real_horovod": "does not build against torch 2.13 (docs/horovod.md)",
@@ -174,8 +178,10 @@ def main() -> None:
         f"in a plain DDP loop under torchrun and as a Trial under `dtrain run`; {args.rounds} alternated rounds, "
         f"{BATCH} images of {IMAGE}x{IMAGE} per worker per step, one thread per worker.",
         f"**img/s per worker, horovodrun / DDP: {headline['img_per_sec_ratio_vs_ddp']:.3f}** (median of paired "
-        f"rounds: {per_round}; target >= 0.97); horovodrun / dtrain run: "
-        f"{headline['img_per_sec_ratio_vs_dtrain_run']:.3f} (dtrain run's figure includes its warm-up steps).",
+        f"rounds: {per_round}; target >= 0.97)" + ("" if args.no_dtrain_run else
+                                                   f"; horovodrun / dtrain run: "
+                                                   f"{headline['img_per_sec_ratio_vs_dtrain_run']:.3f} (dtrain run's "
+                                                   "figure includes its warm-up steps)") + ".",
         *([f"**horovodrun / the same under the baseline tree ({str(negotiation['baseline_commit']['commit'])[:7]}): "
            f"{negotiation['negotiation_img_per_sec_ratio']:.3f}** (median of paired rounds: "
            + ", ".join(f"{v:.3f}" for v in negotiation["negotiation_img_per_sec_ratio_per_round"])
@@ -184,7 +190,8 @@ def main() -> None:
                        [[r["variant"], r["repeat"], r["img_sec_per_worker"]] for r in rows]),
         f"Reproduce: `flock /tmp/dtrain-bench.lock .venv/bin/python benchmarks/horovod_compat.py"
         f"{' --quick' if args.quick else ''}"
-        f"{' --baseline-tree <checkout of the baseline commit>' if baseline else ''} --rounds {args.rounds}`"])
+        f"{' --baseline-tree <checkout of the baseline commit>' if baseline else ''}"
+        f"{' --no-dtrain-run' if args.no_dtrain_run else ''} --rounds {args.rounds}`"])
     path = write_results("horovod_compat_quick" if args.quick else "horovod_compat", headline, rows, markdown,
                          machine_info())
     print(markdown)

@@ -47,8 +47,8 @@ def register(subcommands: Any) -> argparse.ArgumentParser:
     parser.add_argument("--timeline-mark-cycles", action="store_true", help="accepted; cycles are not marked")
     parser.add_argument("--fusion-threshold-mb", type=float, help="largest fused gradient buffer, MB (default "
                         "128; 0 = no fusion)")
-    parser.add_argument("--cycle-time-ms", type=float, help="accepted and reported as ignored (the "
-                        "negotiation cycles whenever an operation is pending)")
+    parser.add_argument("--cycle-time-ms", type=float, help="ms the negotiation's background thread waits "
+                        "after a post before its cycle (default 1; a rank waiting for the operation runs it at once)")
     parser.add_argument("--cache-capacity", type=int, help="entries of the negotiation's response cache "
                         "(default 1024; 0 = every cycle negotiates in full)")
     parser.add_argument("--hierarchical-allreduce", action="store_true", help="accepted and reported as ignored "

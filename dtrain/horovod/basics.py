@@ -26,7 +26,6 @@ Average, Sum, Adasum, Min, Max, Product = 1, 0, 2, 3, 4, 5
 OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
 NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
 IGNORED_KNOBS = {
-    "HOROVOD_CYCLE_TIME": "the negotiation cycles whenever an operation is pending, backing off up to 5 ms",
     "HOROVOD_AUTOTUNE": "fusion is per dtype up to HOROVOD_FUSION_THRESHOLD; nothing is tuned at run time",
     "HOROVOD_HIERARCHICAL_ALLREDUCE": "gloo all-reduce is flat",
 }
