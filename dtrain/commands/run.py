@@ -33,8 +33,11 @@ def register(subcommands: Any) -> argparse.ArgumentParser:
                           "is read as YAML)")
     run.add_argument("--run-dir", type=Path, help="where the run's files go (default: runs/<name>/<id>/, in a Slurm "
                      "job step runs/<name>/slurm-<job id>[-node<N>]/); an existing unfinished run there is resumed")
-    run.add_argument("--nnodes", type=int, help="machines in the job (default 1, or PET_NNODES in a PyTorchJob, "
-                                               "SLURM_NNODES in a Slurm job step)")
+    run.add_argument("--nnodes", metavar="N|MIN:MAX",
+                     help="machines in the job (default 1, or PET_NNODES in a PyTorchJob, SLURM_NNODES in a Slurm job "
+                          "step); MIN:MAX keeps training while nodes leave and join: each node runs slots_per_trial / "
+                          "MAX workers, and the job re-forms from the latest checkpoint at each change "
+                          "(docs/clusters.md, Elastic membership)")
     run.add_argument("--node-rank", type=int, help="this machine's index, 0 on the chief (default 0, or "
                                                      "PET_NODE_RANK, or SLURM_NODEID)")
     run.add_argument("--master-addr",
@@ -79,6 +82,7 @@ def run_experiment(args: argparse.Namespace) -> int:
     from dtrain.search.runner import is_search, raw_config
     from dtrain.train.resize import check_resume_size
 
+    _parse_node_range(args)
     raw = raw_config(args.config, args.overrides)
     if is_search(raw):
         return _run_search(args)
@@ -87,6 +91,12 @@ def run_experiment(args: argparse.Namespace) -> int:
         print("dtrain: searcher single over hyperparameter ranges: drew " + ", ".join(
             d.removeprefix("hyperparameters.") for d in drawn) + " (reproducibility.experiment_seed)", file=sys.stderr)
         args.overrides = [*args.overrides, *drawn]
+    if args.min_nodes is not None and args.min_nodes < args.nnodes and "min_checkpoint_period" not in raw:
+        every = int(raw.get("scheduling_unit") or 100)  # each training report: a lost node costs at most this many
+        args.overrides = [*args.overrides, f"min_checkpoint_period={{batches: {every}}}"]
+        print(f"dtrain: --nnodes {args.min_nodes}:{args.nnodes}: a checkpoint every {every} batches (scheduling_unit; "
+              "min_checkpoint_period was not set), so that a lost node costs at most that many batches",
+              file=sys.stderr)
     if any(value is not None for value in (args.slots, args.search_dir, args.storage, args.study)):
         raise ConfigError("--slots, --search-dir, --storage and --study are for a search (searcher random, grid, "
                           "adaptive_asha or optuna); this experiment's searcher is single: drop them")
@@ -98,8 +108,10 @@ def run_experiment(args: argparse.Namespace) -> int:
     _node_options_from_environment(args, os.environ)
     node = NodeSpec(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                     master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
-                    network_interface=args.network_interface)
-    node.validate(config.resources.world_size)
+                    network_interface=args.network_interface, min_nodes=args.min_nodes)
+    from dtrain.sync import strategy_spec
+
+    node.validate(config.resources.world_size, strategy_spec(config.distributed.strategy).servers(config))
     if node.nnodes > 1 and node.node_rank != 0 and node.rdzv_endpoint is None and node.network_interface is None:
         from dtrain.comm.topology import check_master_reachable
 
@@ -141,6 +153,16 @@ def run_experiment(args: argparse.Namespace) -> int:
         summary = _command_summary(info, summary, started, config.resources.world_size)
     _print_summary(info.run_dir, info.experiment_id, summary, time.time() - started)
     return ExitCode.OK if summary.get("status") == "completed" else ExitCode.STOPPED
+
+
+def _parse_node_range(args: argparse.Namespace) -> None:
+    """`--nnodes N` or `MIN:MAX` into `args.nnodes` (N or MAX) and `args.min_nodes` (MIN, or None); a bad value is
+    one line before anything starts."""
+    from dtrain.launch import parse_nnodes
+
+    args.min_nodes = None
+    if isinstance(args.nnodes, str):
+        args.nnodes, args.min_nodes = parse_nnodes(args.nnodes)
 
 
 def _node_options_from_slurm(args: argparse.Namespace, environ: Mapping[str, str], name: str) -> None:

@@ -63,6 +63,7 @@ from dtrain.train.compute import LocalForwardBackward, TimedCompute
 from dtrain.train.evaluation import Evaluator, SearcherMetric
 from dtrain.train.faults import FAULTS_FILE, FaultInjector
 from dtrain.train.guard import GracefulStop, UpdateGuard
+from dtrain.train.membership import note_membership
 from dtrain.train.memory import apply_activation_checkpointing
 from dtrain.train.metrics import MetricsWriter
 from dtrain.train.optimization import build_optimization
@@ -270,6 +271,7 @@ class Trainer:
         check_same_data_on_all_ranks(self.train_data, self.val_data, self.topology)
         self.metrics.status("running")
         self._announce()
+        note_membership(self.run_dir, self.topology, self.state.steps_completed, self.metrics, self.progress)
         self.stalls.start()
         try:
             with self.stop:
