@@ -75,13 +75,9 @@ class NodeSpec:
     def nnodes_text(self) -> str:
         return f"{self.min_nodes}:{self.nnodes}" if self.elastic else str(self.nnodes)
 
-    def validate(self, world_size: int, servers: int = 0) -> None:
+    def validate(self, world_size: int) -> None:
         if self.nnodes < 1:
             raise LaunchError(f"--nnodes {self.nnodes} must be >= 1")
-        if self.elastic and servers:
-            raise LaunchError(f"--nnodes {self.nnodes_text}: the strategy runs {servers} server process(es) beside the "
-                              "workers, whose share of the work depends on the worker count; a changing membership "
-                              "needs a strategy without servers (allreduce, zero, fsdp, ...) or a fixed --nnodes")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise LaunchError(f"--master-port {self.master_port} must be a TCP port, 1..65535; pick a free one "
                               "(or leave it out on one machine)")
@@ -107,6 +103,29 @@ class NodeSpec:
 # 30 s): a node that leaves or joins costs about 10 s of rendezvous, besides the workers' restart.
 ELASTIC_RENDEZVOUS: dict[str, object] = {"keep_alive_interval": 2, "keep_alive_max_attempt": 3,
                                          "last_call_timeout": 5}
+
+
+def check_elastic_range(config: ExperimentConfig, node: NodeSpec) -> None:
+    """Under `--nnodes MIN:MAX`: LaunchError (one line) when the job could not go on at some size in the range: a
+    strategy whose trajectory depends on the worker count, or a size whose workers cannot hold the pipeline's
+    stages."""
+    from dtrain.config import model_parallel_size
+    from dtrain.sync import strategy_spec
+
+    if not node.elastic or node.min_nodes is None:
+        return
+    spec = strategy_spec(config.distributed.strategy)
+    if spec.cannot_resize is not None:
+        raise LaunchError(f"--nnodes {node.nnodes_text}: strategy {spec.name} cannot change size while it runs "
+                          f"({spec.cannot_resize}); give a fixed --nnodes, or a strategy that keeps its math at any "
+                          "size (allreduce, zero, fsdp, ...)")
+    per_node = config.resources.world_size // node.nnodes
+    stages = model_parallel_size(config.distributed)
+    for nodes in range(node.min_nodes, node.nnodes + 1):
+        if (nodes * per_node) % stages:
+            raise LaunchError(f"--nnodes {node.nnodes_text}: at {nodes} node(s) the {nodes * per_node} workers cannot "
+                              f"hold the pipeline's {stages} stages; give a range whose every size runs a multiple "
+                              f"of {stages} workers (slots_per_trial / MAX = {per_node} a node)")
 
 
 @dataclass(frozen=True)
@@ -171,9 +190,8 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
     world = config.resources.world_size
     from dtrain.sync import strategy_spec
 
-    servers = strategy_spec(config.distributed.strategy).servers(config)
-    world += servers  # servers: the last ranks, beside the workers
-    node.validate(world, servers)
+    world += strategy_spec(config.distributed.strategy).servers(config)  # servers: the last ranks, beside the workers
+    node.validate(world)
     nproc = world // node.nnodes
     local = node.nnodes == 1 and node.rdzv_endpoint is None
     keep_alive: list[object] = []

@@ -75,7 +75,7 @@ def run_experiment(args: argparse.Namespace) -> int:
     from dtrain.determined.command import check_command
     from dtrain.determined.entrypoint import load_trial
     from dtrain.determined.experiment import single_searcher_draw
-    from dtrain.launch import NodeSpec, launch_workers
+    from dtrain.launch import NodeSpec, check_elastic_range, launch_workers
     from dtrain.runs.rundir import SUMMARY_FILE, prepare_run_dir, read_summary, write_json_atomic
     from dtrain.runs.storage import prepare_storage
     from dtrain.runs.store import RunStore
@@ -109,9 +109,8 @@ def run_experiment(args: argparse.Namespace) -> int:
     node = NodeSpec(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                     master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
                     network_interface=args.network_interface, min_nodes=args.min_nodes)
-    from dtrain.sync import strategy_spec
-
-    node.validate(config.resources.world_size, strategy_spec(config.distributed.strategy).servers(config))
+    node.validate(config.resources.world_size)
+    check_elastic_range(config, node)
     if node.nnodes > 1 and node.node_rank != 0 and node.rdzv_endpoint is None and node.network_interface is None:
         from dtrain.comm.topology import check_master_reachable
 

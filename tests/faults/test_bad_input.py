@@ -124,7 +124,7 @@ CLI_CASES: dict[str, tuple[list[str], str]] = {
                             "resources.slots_per_trial (2) must be a multiple of MAX in --nnodes 1:3"),
     "nnodes-range-with-servers": (["run", "{config}", "--nnodes", "1:2", "--master-port", "29999", "--set",
                                    "distributed.strategy=parameter_server"],
-                                  "a changing membership needs a strategy without servers"),
+                                  "--nnodes 1:2: strategy parameter_server cannot change size while it runs"),
     "run-dir-not-a-run": (["run", "{config}", "--run-dir", "{tmp}/occupied"],
                           "exists and is not empty but holds no dtrain run"),
     "run-dir-completed": (["run", "{config}", "--run-dir", "{tmp}/existing"],

@@ -103,15 +103,26 @@ def test_bad_nnodes_is_one_line(text: str, message: str) -> None:
         parse_nnodes(text)
 
 
-def test_an_elastic_range_checks_slots_and_servers() -> None:
+def test_an_elastic_range_checks_slots_strategy_and_stages() -> None:
+    from dtrain.config import load_config
+    from dtrain.launch import check_elastic_range
+
     node = NodeSpec(nnodes=2, min_nodes=1, node_rank=1, master_port=29999)
     assert node.elastic and node.nnodes_text == "1:2"
     node.validate(4)
     with pytest.raises(LaunchError, match=r"slots_per_trial \(3\) must be a multiple of MAX in --nnodes 1:2"):
         node.validate(3)
-    with pytest.raises(LaunchError, match="needs a strategy without servers"):
-        node.validate(4, servers=1)
     assert not NodeSpec(nnodes=2, min_nodes=2, master_port=29999).elastic
+    raw = {"name": "x", "entrypoint": "m:T", "hyperparameters": {"global_batch_size": 8},
+           "resources": {"slots_per_trial": 4}, "searcher": {"name": "single", "metric": "loss",
+                                                              "max_length": {"batches": 4}}}
+    check_elastic_range(load_config(None, raw=raw).config, node)
+    local = {**raw, "distributed": {"strategy": "local_sgd"}}
+    with pytest.raises(LaunchError, match="^--nnodes 1:2: strategy local_sgd cannot change size while it runs"):
+        check_elastic_range(load_config(None, raw=local).config, node)
+    piped = {**raw, "distributed": {"strategy": "pipeline", "pipeline": {"stages": 4}}}
+    with pytest.raises(LaunchError, match="at 1 node.* the 2 workers cannot hold the pipeline's 4 stages"):
+        check_elastic_range(load_config(None, raw=piped).config, node)
 
 
 class _Inner:
