@@ -18,8 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from cluster import ClusterUnavailable, emulated_cluster, unavailable_reason  # noqa: E402
 from nodes import kill_node, latest_step, membership, node_command, wait_for  # noqa: E402
 
-pytestmark = [pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or ""),
-              pytest.mark.slow]
+# about 5 minutes on 2 shared cores; not marked slow: that marker is for the distributed and fault suites, and make
+# test-fast leaves tests/root out anyway (tests/unit/test_markers.py)
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
 
 CONFIG = Path(__file__).resolve().parents[1] / "fixtures" / "digits.yaml"
 BATCHES = 500
