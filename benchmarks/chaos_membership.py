@@ -9,6 +9,9 @@ size for a random 2-8 s (seeded), every process of node 1 is SIGKILLed at once (
 scikit-learn's digits) for `--batches` batches with a checkpoint every 10, in float32 and in float64; the reference
 is the same config trained uninterrupted on 2 slots of one `dtrain run`.
 
+Before the chaos, what the default checkpoint period under a range (every `scheduling_unit` = 100 batches) costs is
+measured on examples/synthetic_mlp (15 MB checkpoints, 2 workers): `default_checkpoint_cost_percent`.
+
 Headline: `membership_changes_survived` (changes made in runs that completed), `final_model_max_rel_diff` (float32,
 over the parameters: max |chaos - uninterrupted| / max |uninterrupted|, worst run), the same in float64 (goal
 <= 1e-9), `recovery_seconds_max` (from the kill or the start of node 1 to the first batch at the new size, as
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import socket
 import statistics
 import subprocess
@@ -82,6 +86,28 @@ def uninterrupted(work: Path, batches: int, dtype: str) -> tuple[dict[str, Any],
     return model, time.perf_counter() - started
 
 
+def default_checkpoint_cost(work: Path, batches: int = 300, every: int = 100) -> dict[str, Any]:
+    """What the checkpoint `--nnodes MIN:MAX` writes by default (every `scheduling_unit` = 100 batches) costs on a
+    bigger model: examples/synthetic_mlp (3.7 M parameters, 15 MB checkpoints) on 2 workers; the mean seconds of a
+    checkpoint write (rank 0's log) over the seconds of the `every` steps between two checkpoints."""
+    run_dir = work / "checkpoint-cost"
+    config = REPO / "examples" / "synthetic_mlp" / "mlp.yaml"
+    args = [sys.executable, "-m", "dtrain.cli", "run", str(config), "--run-dir", str(run_dir), "--set",
+            f"searcher.max_length={{batches: {batches}}}", "--set", f"scheduling_unit={every}", "--set",
+            f"min_checkpoint_period={{batches: {every}}}"]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        raise SystemExit(f"the checkpoint-cost run failed: {result.stderr.strip().splitlines()[-1:]}")
+    log = (run_dir / "logs" / "rank-0.log").read_text()
+    writes = [float(m) for m in re.findall(r"checkpoint \S+ written in ([0-9.]+) s", log)]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    step_seconds = summary["global_batch_size"] / summary["samples_per_second"]
+    return {"checkpoint_write_seconds_mean": round(statistics.mean(writes), 3), "checkpoints": len(writes),
+            "step_seconds": round(step_seconds, 4), "every_batches": every,
+            "checkpoint_cost_percent": round(100 * statistics.mean(writes) / (every * step_seconds), 2),
+            "lost_node_redone_seconds_max": round(every * step_seconds, 1)}
+
+
 def chaos_run(work: Path, seed: int, dtype: str, batches: int, changes: int) -> dict[str, Any]:
     """One job with `changes` membership changes made from outside; what happened to it."""
     rng = random.Random(seed)
@@ -99,7 +125,7 @@ def chaos_run(work: Path, seed: int, dtype: str, batches: int, changes: int) -> 
     chief = start(0, chief_dir, "node0.out")
     other: subprocess.Popen[str] | None = start(1, other_dir, "node1-0.out")
     events: list[dict[str, Any]] = []
-    error = None
+    error = ended_early = None
     try:
         wait_for(lambda: bool(membership(chief_dir)) and membership(chief_dir)[-1]["world_size"] == 2, 600,
                  "both nodes training", chief)
@@ -115,15 +141,23 @@ def chaos_run(work: Path, seed: int, dtype: str, batches: int, changes: int) -> 
                 other, kind = None, "loss"
             else:
                 other, kind = start(1, other_dir, f"node1-{change + 1}.out"), "join"
-            wait_for(lambda seen=seen: len(membership(chief_dir)) > seen, 600,  # type: ignore[misc]
-                     f"change {change + 1} ({kind}) recorded", chief)
+            try:
+                wait_for(lambda seen=seen: len(membership(chief_dir)) > seen, 600,  # type: ignore[misc]
+                         f"change {change + 1} ({kind}) recorded", chief)
+            except AssertionError:
+                if chief.poll() != 0:
+                    raise
+                ended_early = f"training ended before change {change + 1} ({kind}) was taken in"
+                break
             entry = membership(chief_dir)[-1]
             events.append({"seed": seed, "dtype": dtype, "change": change + 1, "kind": kind,
                            "reason": entry["reason"], "step": entry["step"], "world_size": entry["world_size"],
                            "recovery_seconds": round(float(entry["at"]) - at, 2),
                            "recorded_seconds": entry["seconds"]})
         code = chief.wait(timeout=1800)
-        if other is not None:
+        if other is not None and ended_early and "join" in ended_early:
+            kill_node(other.pid)  # started after the job's last batch: it would wait in the rendezvous in vain
+        elif other is not None:
             other.wait(timeout=600)
     except (AssertionError, subprocess.TimeoutExpired) as exc:
         error, code = str(exc), None
@@ -134,7 +168,8 @@ def chaos_run(work: Path, seed: int, dtype: str, batches: int, changes: int) -> 
     summary_path = chief_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     return {"seed": seed, "dtype": dtype, "exit_code": code, "status": summary.get("status"), "error": error,
-            "changes": len(events), "recorded": len(summary.get("membership", [])) - 1 if summary else None,
+            "ended_early": ended_early, "changes": len(events),
+            "recorded": len(summary.get("membership", [])) - 1 if summary else None,
             "wall_seconds": round(time.perf_counter() - started, 1), "events": events, "run_dir": str(chief_dir)}
 
 
@@ -142,6 +177,8 @@ def main(args: Any) -> None:
     """Run the membership chaos with the options chaos.py parsed (`rounds`: seeds, `seed`: the first)."""
     work = Path(tempfile.mkdtemp(prefix="dtrain-chaos-membership-"))
     dtypes = [d for d in DTYPES if d in args.dtypes.split(",")]
+    cost = default_checkpoint_cost(work)
+    print(json.dumps(cost), flush=True)
     references = {dtype: uninterrupted(work, args.batches, dtype) for dtype in dtypes}
     rows: list[dict[str, Any]] = []
     for repeat in range(args.rounds):
@@ -183,6 +220,8 @@ def main(args: Any) -> None:
         "batches_per_run": args.batches,
         "reduced": args.reduced,
         "uninterrupted_wall_seconds": {dtype: round(ref[1], 1) for dtype, ref in references.items()},
+        "default_checkpoint_cost_percent": cost["checkpoint_cost_percent"],
+        "default_checkpoint": cost,
     }
     name = args.results_name or ("chaos_membership_reduced" if args.reduced else "chaos_membership")
     command = (f"python benchmarks/chaos.py --mode membership --rounds {args.rounds} --changes {args.changes} "
