@@ -80,7 +80,7 @@ def run_experiment(args: argparse.Namespace) -> int:
     from dtrain.runs.storage import prepare_storage
     from dtrain.runs.store import RunStore
     from dtrain.search.runner import is_search, raw_config
-    from dtrain.train.resize import check_resume_size
+    from dtrain.train.resize import check_resume
 
     _parse_node_range(args)
     raw = raw_config(args.config, args.overrides)
@@ -121,7 +121,7 @@ def run_experiment(args: argparse.Namespace) -> int:
     else:  # so do a wrong Trial class and hyperparameters it cannot use
         load_trial(config, loaded.base_dir).check_hyperparameters(config.hyperparameters)
     prepare_storage(config.checkpoint_storage)  # a missing library, endpoint, bucket or key: one line, now
-    check_resume_size(config, args.run_dir)  # a run dir written at another size: can it go on at this one?
+    check_resume(config, args.run_dir)  # a run dir written at another size: can it go on at this one?
     for warning in loaded.warnings:
         print(f"dtrain: warning: {warning}", file=sys.stderr)
     info = prepare_run_dir(config, args.run_dir, loaded.base_dir, register=node.node_rank == 0,
