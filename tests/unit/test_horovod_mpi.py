@@ -106,7 +106,7 @@ def test_mpi_launch_refuses_what_mpirun_cannot_do() -> None:
         check_mpi_run(HorovodRun(command=["true"], hosts=hosts), {})
     check_mpi_run(HorovodRun(command=["true"], hosts=hosts), {"MASTER_ADDR": "node-a"})
     check_mpi_run(HorovodRun(command=["true"], np=2), {})
-    with pytest.raises(LaunchError, match="does not restart"):
+    with pytest.raises(LaunchError, match="neither restarts nor resizes"):
         check_mpi_run(HorovodRun(command=["true"], np=2, min_np=1, max_np=2), {})
     with pytest.raises(LaunchError, match="drop --node-rank"):
         check_mpi_run(HorovodRun(command=["true"], hosts=hosts, node_rank=1), {"MASTER_ADDR": "node-a"})
