@@ -26,7 +26,7 @@ from dtrain.comm.topology import JOB_STORE_ENV, bind_loopback
 from dtrain.config import ExperimentConfig
 from dtrain.errors import ExitCode, LaunchError
 from dtrain.runs.fatal import FATAL_FILE, read_fatal
-from dtrain.runs.membership import NODE_NAME_ENV, record_restart
+from dtrain.runs.membership import NODE_NAME_ENV, NODE_RANGE_ENV, record_restart
 from dtrain.runs.processes import threads_per_process
 from dtrain.runs.repeats import recorded
 
@@ -209,8 +209,10 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
     run_id = node.rdzv_id or (uuid.uuid4().hex if local else f"dtrain-{config.name}")
     _worker_environment(nproc, node.network_interface, config.optimizations.malloc_trim_threshold_mb)
     os.environ[NODE_NAME_ENV] = f"{local_addr or socket.gethostname()}:{os.getpid()}"
+    os.environ.pop(NODE_RANGE_ENV, None)
     if node.elastic:
         rdzv_configs.update(ELASTIC_RENDEZVOUS)
+        os.environ[NODE_RANGE_ENV] = node.nnodes_text
     (run_dir / FATAL_FILE).unlink(missing_ok=True)
     launch_config = LaunchConfig(
         min_nodes=node.min_nodes or node.nnodes, max_nodes=node.nnodes, nproc_per_node=nproc,

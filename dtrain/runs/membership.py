@@ -22,6 +22,7 @@ MEMBERSHIP_FILE = "membership.json"
 RESTARTS_FILE = "logs/restarts.jsonl"
 TRAINING = "training"  # the cause of a line the chief worker writes when an attempt starts training
 NODE_NAME_ENV = "DTRAIN_NODE_NAME"  # set by the launcher: this node's address and its agent's pid
+NODE_RANGE_ENV = "DTRAIN_NODE_RANGE"  # set by the launcher under --nnodes MIN:MAX: "MIN:MAX"
 
 
 def record_restart(run_dir: Path, cause: str, at: float | None = None) -> None:

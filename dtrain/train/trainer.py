@@ -9,6 +9,7 @@ apply the update (guard, rate, strategy step, wire bytes); at a meeting point re
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping
 from contextlib import nullcontext
@@ -26,6 +27,7 @@ from dtrain.data.synthetic import synthetic_replay
 from dtrain.errors import TrialError
 from dtrain.profile import Profiler
 from dtrain.profile.device_clock import CudaClock
+from dtrain.runs.membership import NODE_RANGE_ENV
 from dtrain.runs.preemptions import describe_preemptions, read_preemptions
 from dtrain.runs.rundir import SUMMARY_FILE, RunInfo, write_json_atomic
 from dtrain.sync import (
@@ -496,8 +498,11 @@ class Trainer:
             self.progress.note(f"stopped after batch {step} as the trial asked (set_stop_requested); completed")
         elif status == "interrupted":
             received = self.stop.received
+            elastic = os.environ.get(NODE_RANGE_ENV)
             self.progress.note(f"{received.name if received else 'a signal'}: stopped after batch {step} with a "
-                               "checkpoint; run the same command again to resume")
+                               + (f"checkpoint (under --nnodes {elastic} the agents also stop the workers this way to "
+                                  "take in a joining node; then they resume at once)" if elastic else
+                                  "checkpoint; run the same command again to resume"))
         elif self.stopped_by is not None:
             self.progress.note(f"stopped after batch {step} by the searcher: {self.stopped_by}; the checkpoint "
                                "stays in the run dir")

@@ -65,6 +65,8 @@ def test_a_node_joins_then_is_lost_and_the_run_completes_alone(tmp_path: Path) -
         in output
     assert f"membership: node lost (-{shrunk['lost'][0]}); 1 node(s), 1 worker(s) from batch {shrunk['step']}" \
         in output
+    assert f"SIGTERM: stopped after batch {grown['step']} with a checkpoint (under --nnodes 1:2 the agents also stop" \
+        in output  # the join's restart boundary: a checkpoint at the batch the workers were on, nothing redone
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(chief_dir / "tensorboard"))
