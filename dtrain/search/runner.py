@@ -32,7 +32,7 @@ from dtrain.errors import ConfigError, ExitCode
 from dtrain.runs.processes import CONCURRENT_RUNS_ENV, process_alive
 from dtrain.search import asha
 from dtrain.search.link import BRACKET, INVALID, STOPPED, LinkRecord, make_pruner
-from dtrain.search.progress import SearchProgress
+from dtrain.search.progress import SearchProgress, has_checkpoint
 from dtrain.search.space import Space
 from dtrain.search.spec import SearchSpec, is_command_experiment, parse_searcher
 from dtrain.search.study import ask, open_study, total_trials
@@ -189,7 +189,7 @@ class SearchRunner:
         logs = self.search_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log = open(logs / f"trial-{number}.log", "a")  # noqa: SIM115 - the child holds it; closed at exit
-        self.progress.started(number, params, trial.user_attrs.get(BRACKET), resumed=(run_dir / "checkpoints").is_dir())
+        self.progress.started(number, params, trial.user_attrs.get(BRACKET), resumed=has_checkpoint(run_dir))
         # a session of its own: a terminal's Ctrl-C reaches the search alone, which passes it on once
         # the trial's processes share the cores with those of the other trials running beside it
         environment = {**os.environ, CONCURRENT_RUNS_ENV: str(self.parallel)}

@@ -60,6 +60,7 @@ from dtrain.train.checkpointing import (
     checkpoint_state_of,
     read_checkpoint,
     resume,
+    uploads_in_background,
 )
 from dtrain.train.compute import LocalForwardBackward, TimedCompute
 from dtrain.train.evaluation import Evaluator, SearcherMetric
@@ -206,7 +207,8 @@ class Trainer:
                                    lockstep=forward_is_collective(self.strategy),
                                    stages=self.strategy if isinstance(self.strategy, EvaluatesInStages) else None)
         self.checkpointer = Checkpointer(self.checkpoints, topology, self.checkpoint_state,
-                                         CheckpointPolicy(config, self.schedule, self.searcher), self.callbacks)
+                                         CheckpointPolicy(config, self.schedule, self.searcher), self.callbacks,
+                                         background=uploads_in_background(config.checkpoint_storage, self.checkpoints))
         self.stalls = StallWatch(topology, config.distributed, self.profiler.timer)
         self.faults.release = self.stalls.abort  # an injected hang ends when the run gives up on it
 
@@ -276,8 +278,14 @@ class Trainer:
         note_membership(self.run_dir, self.topology, self.state.steps_completed, self.metrics, self.progress)
         self.stalls.start()
         try:
-            with self.stop:
-                self._train()
+            with self.stop:  # a signal during the last upload's wait does not cut it short
+                try:
+                    self._train()
+                except BaseException:
+                    self.checkpointer.finish_uploads(failed=True)
+                    raise
+                self.checkpointer.finish_uploads()
+                self._announce_checkpoints()
         finally:
             self.progress.close()
             self.stalls.stop()
@@ -442,12 +450,19 @@ class Trainer:
                 self.checkpointer.write(step, metric, state=self.state, optimization=self.optimization,
                                         strategy=self.strategy, epoch=self.schedule.epoch_of(step),
                                         trial_state=self.trial.state_dict())
-                latest = self.checkpointer.latest if self.topology.is_chief else None
-                self.trial.checkpoint_written(latest.path if latest is not None else None)
+                if not self.topology.is_chief:
+                    self.trial.checkpoint_written(None)
+        self._announce_checkpoints()
         self.progress.pause_clock(time.perf_counter() - aside)
         if stop is not None:
             self._stop(stop, step)
         return stop is not None
+
+    def _announce_checkpoints(self) -> None:
+        """Tell the Trial (rank 0) of each checkpoint that became complete: at once when written blocking, at the
+        first meeting point after its background upload committed, or at the end."""
+        for ref in self.checkpointer.take_committed():
+            self.trial.checkpoint_written(ref.path)
 
     def _report(self, step: int) -> None:
         training = self.clock.training_seconds
