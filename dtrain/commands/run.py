@@ -81,6 +81,7 @@ def run_experiment(args: argparse.Namespace) -> int:
     from dtrain.runs.store import RunStore
     from dtrain.search.runner import is_search, raw_config
     from dtrain.train.resize import check_resume
+    from dtrain.train.tracking import check_tracking
 
     _parse_node_range(args)
     raw = raw_config(args.config, args.overrides)
@@ -122,6 +123,7 @@ def run_experiment(args: argparse.Namespace) -> int:
         load_trial(config, loaded.base_dir).check_hyperparameters(config.hyperparameters)
     prepare_storage(config.checkpoint_storage)  # a missing library, endpoint, bucket or key: one line, now
     check_resume(config, args.run_dir)  # a run dir written at another size: can it go on at this one?
+    check_tracking(config.tracking)  # tracking.mlflow without the mlflow package or a URI: one line, now
     for warning in loaded.warnings:
         print(f"dtrain: warning: {warning}", file=sys.stderr)
     info = prepare_run_dir(config, args.run_dir, loaded.base_dir, register=node.node_rank == 0,
@@ -350,6 +352,11 @@ def _print_summary(run_dir: Path, experiment_id: int | None, summary: dict[str, 
                            if left else ""))
     if experiment_id is not None:
         lines.append(f"  store        dtrain experiments show {experiment_id}")
+    from dtrain.train.tracking import mlflow_run_link
+
+    mlflow = mlflow_run_link(run_dir)
+    if mlflow is not None:
+        lines.append(f"  MLflow       {mlflow}")
     if status == "stopped":
         lines.append("  resume with the same command and --run-dir " + str(run_dir))
     print("\n".join(lines))

@@ -79,6 +79,7 @@ from dtrain.train.schedule import Schedule, resolve_schedule
 from dtrain.train.stalls import StallWatch
 from dtrain.train.state import TrainerState, TrainingClock
 from dtrain.train.summary import replicas_identical, run_profile, run_summary
+from dtrain.train.tracking import start_tracking
 from dtrain.train.trial import Trial, TrialContext
 
 log = logging.getLogger(__name__)
@@ -197,8 +198,10 @@ class Trainer:
         self.update_began_after = self.state.steps_completed  # the batch after which the current update began
         self.clock = TrainingClock()
         chief = topology.is_chief
+        tracker = (start_tracking(config.tracking, name=config.name, hyperparameters=config.hyperparameters,
+                                  run_dir=self.run_dir) if chief else None)
         self.metrics = MetricsWriter(store_path=run_info.store if chief else None, trial_id=run_info.trial_id,
-                                     tensorboard_dir=self.run_dir / "tensorboard" if chief else None)
+                                     tensorboard_dir=self.run_dir / "tensorboard" if chief else None, tracker=tracker)
         self.reporter = Reporter(self.metrics, self.profiler, topology, self.strategy, self.schedule, self.clock)
         self.progress = Progress(self.schedule.total_batches, self.state.steps_completed,
                                  split.global_batch_size, enabled=chief, report_every=config.scheduling_unit)
@@ -463,6 +466,7 @@ class Trainer:
         first meeting point after its background upload committed, or at the end."""
         for ref in self.checkpointer.take_committed():
             self.trial.checkpoint_written(ref.path)
+            self.metrics.checkpoint(ref.step, str(ref.path))  # its location to the tracker, once complete
 
     def _report(self, step: int) -> None:
         training = self.clock.training_seconds
