@@ -55,13 +55,13 @@ class MlflowServer:
             time.sleep(0.5)
 
     def stop(self) -> None:
-        """SIGTERM to the server's process group (SIGKILL after 30 s); waits for it."""
+        """SIGTERM to the server's process group (SIGKILL after 5 s: its job runner may not stop); waits for it."""
         process, self.process = self.process, None
         if process is None:
             return
         try:
             os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=30)
+            process.wait(timeout=5)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=30)
