@@ -40,6 +40,18 @@ def _get(url: str, deadline: float) -> bytes:
             time.sleep(0.2)
 
 
+def _interrupt(process: subprocess.Popen[str]) -> str:
+    """Ctrl-C to `dtrain dashboard`; its stderr. A dashboard still running a minute later is killed (no process is
+    left behind) and the test fails."""
+    process.send_signal(signal.SIGINT)
+    try:
+        return process.communicate(timeout=60)[1]
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate(timeout=30)
+        raise AssertionError("dtrain dashboard did not stop within 60 s of SIGINT; killed") from None
+
+
 def test_dashboard_serves_a_search_dir_s_study(tmp_path: Path) -> None:
     import optuna
 
@@ -63,8 +75,7 @@ def test_dashboard_serves_a_search_dir_s_study(tmp_path: Path) -> None:
         assert sorted(t["values"][0] for t in detail["trials"]) == [0.5, 0.625, 0.75]
         assert b"<html" in _get(f"http://127.0.0.1:{port}/dashboard/", deadline).lower()
     finally:
-        process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=30)
+        stderr = _interrupt(process)
     assert f"at http://127.0.0.1:{port}/dashboard/" in stderr
     assert "Traceback" not in stderr
 
@@ -126,8 +137,7 @@ def test_a_finished_search_in_the_browser_shows_its_trials_and_their_metric(tmp_
             finally:
                 browser.close()
     finally:
-        process.send_signal(signal.SIGINT)
-        process.communicate(timeout=30)
+        _interrupt(process)
 
     assert str(best.value) in study_page  # the best trial's metric, written out
     history = next(t for t in traces if t["name"].startswith("Objective"))
