@@ -167,7 +167,8 @@ class ExperimentConfig(Section):
         shape = RunShape(world_size=self.resources.world_size,
                          global_batch_size=self.hyperparameters.get("global_batch_size"),
                          aggregation_frequency=self.optimizations.aggregation_frequency,
-                         batch_size_schedule=self.large_batch.batch_size_schedule is not None)
+                         batch_size_schedule=self.large_batch.batch_size_schedule is not None,
+                         passes=self.optimizations.max_per_slot_batch is not None)
         check_layout(self.optimizations, self.distributed, self.compression, shape)
         return self
 

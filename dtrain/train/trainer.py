@@ -150,7 +150,8 @@ class Trainer:
         self.train_data, self.val_data = self._build_data()
         self.schedule = self._resolve_schedule(split)
         self.sizes = BatchSizes(split, rank=replica, world_size=replicas,
-                                average_aggregated=config.optimizations.average_aggregated_gradients)
+                                average_aggregated=config.optimizations.average_aggregated_gradients,
+                                max_per_pass=config.optimizations.max_per_slot_batch)
 
         # model, strategy, optimizer: the strategy wraps the model before the optimizer sees its parameters
         self.strategy: SyncStrategy = build_strategy(config, topology)
@@ -348,16 +349,23 @@ class Trainer:
 
     def _forward_backward(self, step: int, *, communicate: bool) -> Mapping[str, Any]:
         """Load batch `step`, run forward and backward (the strategy's stage or the default one), add its metrics
-        to the update's; return the Trial's outputs."""
+        to the update's; return the Trial's outputs. A batch larger than `optimizations.max_per_slot_batch` runs
+        as several passes whose gradients accumulate here (only the last communicates), each loss scaled by its
+        share of the batch, so the update is the whole batch's (the last pass's outputs are returned)."""
         self.context.batches_trained = step - 1
-        with self.profiler.phase("data"):
-            self.callbacks.before_step(step)
-            batch = move_to_device(next(self.batch_stream), self.topology.device, self.channels_last)
-        outputs = self.forward_backward.forward_backward(self.wrapped, batch, self.trial.train_batch,
-                                                         loss_scale=self.sizes.loss_scale, communicate=communicate,
-                                                         phases=self.compute)
+        passes = self.sizes.pass_records
+        outputs: Mapping[str, Any] = {}
+        for index, records in enumerate(passes):
+            with self.profiler.phase("data"):
+                if index == 0:
+                    self.callbacks.before_step(step)
+                batch = move_to_device(next(self.batch_stream), self.topology.device, self.channels_last)
+            scale = self.sizes.loss_scale if len(passes) == 1 else self.sizes.loss_scale * records / self.sizes.records
+            outputs = self.forward_backward.forward_backward(
+                self.wrapped, batch, self.trial.train_batch, loss_scale=scale,
+                communicate=communicate and index == len(passes) - 1, phases=self.compute)
+            self.training_metrics.add_batch(outputs, records)
         self.compute.finish()
-        self.training_metrics.add_batch(outputs, self.sizes.records)
         return outputs
 
     # -------------------------------------------------------------------------------- stage 2: update

@@ -48,17 +48,22 @@ def _phase(topology: Topology, raw: dict[str, Any], run_dir: str) -> dict[str, A
     return {"status": summary["status"], "start": start, "steps": trainer.state.steps_completed,
             "samples": trainer.state.samples_trained, "split": list(trainer.sizes.base.per_rank),
             "lr": float(trainer.optimization.optimizer.param_groups[0]["lr"]),
+            "passes": list(trainer.sizes.pass_records),
             "state": _whole(trainer.strategy.unwrap_model()),
             "sharded": (Path(run_dir) / "checkpoints" / "sharded" / f"step-{trainer.state.steps_completed}").is_dir()}
 
 
 def resized_runs(spawn: Callable[..., list[Any]], raw: dict[str, Any], root: Path,
-                 phases: tuple[tuple[int, int | None], ...] = PHASES) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                 phases: tuple[tuple[int, int | None], ...] = PHASES, middle: dict[str, Any] | None = None
+                 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every phase's rank results (the last phase's ranks last), and rank 0 of an uninterrupted run at the first
-    phase's size."""
+    phase's size; `middle`: optimizations of the middle phase only."""
     results = []
-    for slots, stop_after in phases:
-        ranks = spawn(_phase, slots, with_slots(raw, slots, stop_after), str(root / "resized"), timeout=300)
+    for index, (slots, stop_after) in enumerate(phases):
+        phase_raw = with_slots(raw, slots, stop_after)
+        if middle is not None and index == 1:
+            phase_raw["optimizations"] = middle
+        ranks = spawn(_phase, slots, phase_raw, str(root / "resized"), timeout=300)
         results.append(ranks)
     uninterrupted = spawn(_phase, phases[0][0], with_slots(raw, phases[0][0], None), str(root / "whole"),
                           timeout=300)
@@ -97,6 +102,17 @@ def test_a_run_resumed_at_other_sizes_equals_the_uninterrupted_run(spawn: Callab
     check_same_training(phases, whole, [[8, 8], [16], [6, 5, 5]])
     if name == "fsdp":  # the phases read and wrote shards (DCP), not a plain model.pt
         assert all(rank["sharded"] for ranks in phases for rank in ranks)
+
+
+@pytest.mark.parametrize("name", ["allreduce", "fsdp"])
+def test_the_middle_phase_may_train_its_larger_batch_in_several_passes(spawn: Callable[..., list[Any]],
+                                                                       tmp_path: Path, name: str) -> None:
+    """On 1 slot the 16 records of a batch are more than `optimizations.max_per_slot_batch: 8`: two passes of 8
+    whose gradients accumulate (aggregation inside the batch, FSDP's no_sync), and the run still ends within 1e-9."""
+    phases, whole = resized_runs(spawn, {**RAW, "distributed": STRATEGIES[name]}, tmp_path,
+                                 middle={"max_per_slot_batch": 8})
+    check_same_training(phases, whole, [[8, 8], [16], [6, 5, 5]])
+    assert [ranks[0]["passes"] for ranks in phases] == [[8], [8, 8], [6]]
 
 
 def test_pipeline_x_data_keeps_its_stages_and_changes_its_data_parallel_degree(spawn: Callable[..., list[Any]],
