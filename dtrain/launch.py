@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import uuid
 from collections.abc import Iterator
@@ -25,8 +26,31 @@ from dtrain.comm.topology import JOB_STORE_ENV, bind_loopback
 from dtrain.config import ExperimentConfig
 from dtrain.errors import ExitCode, LaunchError
 from dtrain.runs.fatal import FATAL_FILE, read_fatal
+from dtrain.runs.membership import NODE_NAME_ENV, NODE_RANGE_ENV, record_restart
 from dtrain.runs.processes import threads_per_process
 from dtrain.runs.repeats import recorded
+
+
+def parse_nnodes(text: str) -> tuple[int, int | None]:
+    """`--nnodes N` -> (N, None); `--nnodes MIN:MAX` -> (MAX, MIN); anything else one line: the value, the rule,
+    the fix."""
+    low, colon, high = text.strip().partition(":")
+    try:
+        numbers = [int(low), int(high)] if colon else [int(low)]
+    except ValueError:
+        raise LaunchError(f"--nnodes {text!r}: give a number of nodes N or a range MIN:MAX of whole numbers, e.g. "
+                          "--nnodes 2 or --nnodes 1:2") from None
+    if not colon and numbers[0] < 1:
+        raise LaunchError(f"--nnodes {text} must be >= 1 (a job needs a node)")
+    if colon and numbers[0] < 1:
+        raise LaunchError(f"--nnodes {text}: MIN must be >= 1 (a job needs a node); write --nnodes "
+                          f"1:{max(numbers[1], 1)}")
+    if not colon:
+        return numbers[0], None
+    if numbers[0] > numbers[1]:
+        raise LaunchError(f"--nnodes {text}: MIN ({numbers[0]}) must not exceed MAX ({numbers[1]}): the job runs on "
+                          f"MIN to MAX nodes; write --nnodes {numbers[1]}:{numbers[0]}")
+    return numbers[1], numbers[0]
 
 
 @dataclass(frozen=True)
@@ -40,6 +64,16 @@ class NodeSpec:
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
     network_interface: str | None = None  # this node's interface to the others (--network-interface)
+    min_nodes: int | None = None  # --nnodes MIN:MAX: the job goes on with MIN..nnodes nodes (None: exactly nnodes)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether nodes may leave and join while the job runs (`--nnodes MIN:MAX` with MIN < MAX)."""
+        return self.min_nodes is not None and self.min_nodes < self.nnodes
+
+    @property
+    def nnodes_text(self) -> str:
+        return f"{self.min_nodes}:{self.nnodes}" if self.elastic else str(self.nnodes)
 
     def validate(self, world_size: int) -> None:
         if self.nnodes < 1:
@@ -49,7 +83,12 @@ class NodeSpec:
                               "(or leave it out on one machine)")
         if not 0 <= self.node_rank < self.nnodes:
             raise LaunchError(f"--node-rank {self.node_rank} must be in [0, {self.nnodes - 1}] for --nnodes "
-                              f"{self.nnodes}")
+                              f"{self.nnodes_text}")
+        if world_size % self.nnodes and self.elastic:
+            raise LaunchError(f"resources.slots_per_trial ({world_size}) must be a multiple of MAX in --nnodes "
+                              f"{self.nnodes_text}: every node runs slots_per_trial / MAX workers, and the job runs "
+                              "at MAX nodes with slots_per_trial; make it "
+                              f"{(world_size // self.nnodes + 1) * self.nnodes}")
         if world_size % self.nnodes:
             raise LaunchError(f"resources.slots_per_trial (plus parameter servers: {world_size} processes) must be a "
                               f"multiple of --nnodes ({self.nnodes}) so that every node runs the same number of "
@@ -57,6 +96,36 @@ class NodeSpec:
         if self.nnodes > 1 and self.rdzv_endpoint is None and self.master_port is None:
             raise LaunchError("with --nnodes > 1 give the chief's --master-addr and --master-port (the same on "
                               "every node), or a shared --rdzv-endpoint HOST:PORT")
+
+
+# The c10d rendezvous under --nnodes MIN:MAX: a lost node's heartbeat is missed for 3 x 2 s before the others re-form
+# without it (torch's default 3 x 5 s), and a round that has MIN nodes waits 5 s for more before it closes (default
+# 30 s): a node that leaves or joins costs about 10 s of rendezvous, besides the workers' restart.
+ELASTIC_RENDEZVOUS: dict[str, object] = {"keep_alive_interval": 2, "keep_alive_max_attempt": 3,
+                                         "last_call_timeout": 5}
+
+
+def check_elastic_range(config: ExperimentConfig, node: NodeSpec) -> None:
+    """Under `--nnodes MIN:MAX`: LaunchError (one line) when the job could not go on at some size in the range: a
+    strategy whose trajectory depends on the worker count, or a size whose workers cannot hold the pipeline's
+    stages."""
+    from dtrain.config import model_parallel_size
+    from dtrain.sync import strategy_spec
+
+    if not node.elastic or node.min_nodes is None:
+        return
+    spec = strategy_spec(config.distributed.strategy)
+    if spec.cannot_resize is not None:
+        raise LaunchError(f"--nnodes {node.nnodes_text}: strategy {spec.name} cannot change size while it runs "
+                          f"({spec.cannot_resize}); give a fixed --nnodes, or a strategy that keeps its math at any "
+                          "size (allreduce, zero, fsdp, ...)")
+    per_node = config.resources.world_size // node.nnodes
+    stages = model_parallel_size(config.distributed)
+    for nodes in range(node.min_nodes, node.nnodes + 1):
+        if (nodes * per_node) % stages:
+            raise LaunchError(f"--nnodes {node.nnodes_text}: at {nodes} node(s) the {nodes * per_node} workers cannot "
+                              f"hold the pipeline's {stages} stages; give a range whose every size runs a multiple "
+                              f"of {stages} workers (slots_per_trial / MAX = {per_node} a node)")
 
 
 @dataclass(frozen=True)
@@ -139,9 +208,15 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     run_id = node.rdzv_id or (uuid.uuid4().hex if local else f"dtrain-{config.name}")
     _worker_environment(nproc, node.network_interface, config.optimizations.malloc_trim_threshold_mb)
+    os.environ[NODE_NAME_ENV] = f"{local_addr or socket.gethostname()}:{os.getpid()}"
+    os.environ.pop(NODE_RANGE_ENV, None)
+    if node.elastic:
+        rdzv_configs.update(ELASTIC_RENDEZVOUS)
+        os.environ[NODE_RANGE_ENV] = node.nnodes_text
     (run_dir / FATAL_FILE).unlink(missing_ok=True)
     launch_config = LaunchConfig(
-        min_nodes=node.nnodes, max_nodes=node.nnodes, nproc_per_node=nproc, run_id=run_id,
+        min_nodes=node.min_nodes or node.nnodes, max_nodes=node.nnodes, nproc_per_node=nproc,
+        run_id=run_id,
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs, max_restarts=config.max_restarts,
         monitor_interval=0.2, local_addr=local_addr, signals_to_handle=AGENT_SIGNALS,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "agent")))
@@ -192,7 +267,7 @@ def _cluster_rendezvous(node: NodeSpec) -> tuple[str, str, dict[str, object], st
     `dtrain.comm.rendezvous` so that --node-rank stays the node's rank; a failure on any node makes every node's
     agent restart its workers into the same round. With --rdzv-endpoint: plain c10d (the rendezvous numbers the
     nodes), hosted by the node that owns the endpoint's address."""
-    from dtrain.comm.rendezvous import NODE_RANK_KEY, local_address, register
+    from dtrain.comm.rendezvous import ELASTIC_KEY, NODE_RANK_KEY, local_address, register
     from dtrain.comm.topology import interface_addresses
 
     addresses = interface_addresses()
@@ -201,7 +276,7 @@ def _cluster_rendezvous(node: NodeSpec) -> tuple[str, str, dict[str, object], st
         host = node.rdzv_endpoint.rsplit(":", 1)[0]
         configs: dict[str, object] = {"is_host": True} if host in addresses.values() else {}
         return "c10d", node.rdzv_endpoint, configs, local_address(host, chosen)
-    configs = {"is_host": node.node_rank == 0, NODE_RANK_KEY: node.node_rank}
+    configs = {"is_host": node.node_rank == 0, NODE_RANK_KEY: node.node_rank, ELASTIC_KEY: node.elastic}
     return register(), f"{node.master_addr}:{node.master_port}", configs, local_address(node.master_addr, chosen)
 
 
@@ -272,9 +347,11 @@ def _stop_on_user_error_class(base: type, run_dir: Path, run_id: str) -> type:
 
     class StopOnUserError(base):
         _remaining_restarts: int  # torch's agent sets it to max_restarts and counts it down
+        _last_state: Any = None
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
+            self._last_state = result.state
             if result.state not in (WorkerState.FAILED, WorkerState.UNHEALTHY) or self._remaining_restarts <= 0:
                 return result
             codes = [failure.exitcode for failure in (result.failures or {}).values()]
@@ -284,6 +361,12 @@ def _stop_on_user_error_class(base: type, run_dir: Path, run_id: str) -> type:
                 limit = worker_group.spec.max_restarts
                 _announce_restart(run_dir, run_id, limit - self._remaining_restarts, limit)
             return result
+
+        def _restart_workers(self, worker_group: Any) -> None:
+            # torch restarts after a failure, or, with workers healthy, for nodes waiting to join (membership.py)
+            healthy = self._last_state == WorkerState.HEALTHY
+            record_restart(run_dir, "nodes_waiting" if healthy else "failure")
+            super()._restart_workers(worker_group)
 
     return StopOnUserError
 

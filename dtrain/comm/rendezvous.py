@@ -31,6 +31,7 @@ from dtrain.errors import LaunchError
 
 BACKEND = "dtrain-c10d"
 NODE_RANK_KEY = "dtrain_node_rank"  # in rdzv_configs: the --node-rank of this node
+ELASTIC_KEY = "dtrain_elastic"  # in rdzv_configs: nodes may be missing (--nnodes MIN:MAX)
 
 
 def local_address(master_addr: str, interface_address: str | None = None) -> str:
@@ -56,7 +57,8 @@ def _create(params: RendezvousParameters) -> RendezvousHandler:
     if node_rank is None:
         raise LaunchError(f"the {BACKEND} rendezvous needs {NODE_RANK_KEY} in rdzv_configs")
     backend, store = create_backend(params)
-    return NodeRankRendezvous(create_handler(store, backend, params), node_rank, params.local_addr)
+    return NodeRankRendezvous(create_handler(store, backend, params), node_rank, params.local_addr,
+                              elastic=bool(params.get_as_bool(ELASTIC_KEY, False)))
 
 
 def register() -> str:
@@ -68,10 +70,12 @@ def register() -> str:
 class NodeRankRendezvous(RendezvousHandler):
     """torch's dynamic rendezvous handler whose rounds give this node `node_rank` (see the module docstring)."""
 
-    def __init__(self, inner: RendezvousHandler, node_rank: int, local_addr: str | None) -> None:
+    def __init__(self, inner: RendezvousHandler, node_rank: int, local_addr: str | None, *,
+                 elastic: bool = False) -> None:
         self._inner = inner
         self._node_rank = node_rank
         self._local_addr = local_addr
+        self._elastic = elastic
 
     def get_backend(self) -> str:
         return BACKEND
@@ -85,12 +89,18 @@ class NodeRankRendezvous(RendezvousHandler):
         store, world = info.store, info.world_size  # the store is this round's (prefixed by the round)
         store.set(f"dtrain/node_rank/{info.rank}", str(self._node_rank))
         given = [int(store.get(f"dtrain/node_rank/{rank}")) for rank in range(world)]
-        if sorted(given) != list(range(world)):
+        if self._elastic:  # the nodes present, numbered in the order of their --node-rank; the chief (0) among them
+            if len(set(given)) != world or 0 not in given:
+                raise LaunchError(f"the {world} nodes that met gave --node-rank {', '.join(map(str, given))}; every "
+                                  "node needs its own rank, and the chief (0, which hosts the rendezvous) must be one")
+            rank = sorted(given).index(self._node_rank)
+        elif sorted(given) != list(range(world)):
             raise LaunchError(f"the {world} nodes that met gave --node-rank {', '.join(map(str, given))}; every node "
                               f"needs its own rank in 0..{world - 1} (the chief, which hosts the rendezvous, is 0)")
-        bootstrap = RendezvousStoreInfo.build(self._node_rank, dist.PrefixStore("dtrain", store),
-                                              local_addr=self._local_addr)
-        return RendezvousInfo(store, self._node_rank, world, bootstrap)
+        else:
+            rank = self._node_rank
+        bootstrap = RendezvousStoreInfo.build(rank, dist.PrefixStore("dtrain", store), local_addr=self._local_addr)
+        return RendezvousInfo(store, rank, world, bootstrap)
 
     def is_closed(self) -> bool:
         return bool(self._inner.is_closed())

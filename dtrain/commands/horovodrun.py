@@ -15,6 +15,7 @@ EXAMPLES = """examples:
   dtrain horovodrun -np 3 --min-np 2 --max-np 3 python elastic_train.py    # goes on at 2 if one is lost
   dtrain horovodrun --min-np 2 --max-np 4 --host-discovery-script ./hosts.sh python elastic_train.py
   dtrain horovodrun -np 4 -H a:2,b:2 --node-rank 0 python train.py         # on host a; --node-rank 1 on b
+  dtrain horovodrun --mpi -np 2 python train.py                            # started by mpirun instead
 """
 
 
@@ -55,7 +56,8 @@ def register(subcommands: Any) -> argparse.ArgumentParser:
                         "(gloo all-reduce is flat)")
     parser.add_argument("--autotune", action="store_true", help="accepted and reported as ignored")
     parser.add_argument("--gloo", action="store_true", help="accepted: gloo is the only controller")
-    parser.add_argument("--mpi", action="store_true", help="refused: there is no MPI here")
+    parser.add_argument("--mpi", action="store_true", help="start the processes with the mpirun on PATH (Open MPI "
+                        "or MPICH) instead of torchrun's agent; prints the mpirun command line it runs")
     parser.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int, help="elastic: fewest processes; "
                         "a lost worker's peers go on without it from the last commit (Horovod Elastic)")
     parser.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int, help="elastic: most processes")
@@ -64,6 +66,8 @@ def register(subcommands: Any) -> argparse.ArgumentParser:
     parser.add_argument("--force", action="store_true", help="use dtrain's horovod even if the real one is "
                         "installed")
     parser.add_argument("--check-build", action="store_true", help="print what this Horovod supports and exit")
+    parser.add_argument("--shim-path", action="store_true", help="print the folder holding dtrain's `horovod` "
+                        "package and exit (put it on PYTHONPATH to run Horovod scripts under your own mpirun)")
     parser.add_argument("-v", "--verbose", action="store_true", help="show torchrun's agent logs")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command to run on every slot")
     parser.set_defaults(handler=horovodrun)
@@ -87,9 +91,11 @@ def horovodrun(args: argparse.Namespace) -> int:
     if args.check_build:
         print(check_build())
         return ExitCode.OK
-    if args.mpi:
-        raise LaunchError("--mpi: dtrain has no MPI controller; drop the flag (gloo is used) or run the real "
-                          "Horovod's horovodrun with MPI")
+    if args.shim_path:
+        from dtrain.horovod.exec import SHIM
+
+        print(SHIM)
+        return ExitCode.OK
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         raise LaunchError("no command to run: dtrain horovodrun -np 2 python train.py")
@@ -114,4 +120,8 @@ def horovodrun(args: argparse.Namespace) -> int:
                      hierarchical_allreduce=args.hierarchical_allreduce, autotune=args.autotune,
                      min_np=args.min_np, max_np=args.max_np, reset_limit=args.reset_limit, force=args.force,
                      verbose=args.verbose, host_discovery_script=args.host_discovery_script)
+    if args.mpi:
+        from dtrain.horovod.mpi_launch import launch_mpi
+
+        return launch_mpi(run)
     return launch(run)

@@ -33,8 +33,11 @@ def register(subcommands: Any) -> argparse.ArgumentParser:
                           "is read as YAML)")
     run.add_argument("--run-dir", type=Path, help="where the run's files go (default: runs/<name>/<id>/, in a Slurm "
                      "job step runs/<name>/slurm-<job id>[-node<N>]/); an existing unfinished run there is resumed")
-    run.add_argument("--nnodes", type=int, help="machines in the job (default 1, or PET_NNODES in a PyTorchJob, "
-                                               "SLURM_NNODES in a Slurm job step)")
+    run.add_argument("--nnodes", metavar="N|MIN:MAX",
+                     help="machines in the job (default 1, or PET_NNODES in a PyTorchJob, SLURM_NNODES in a Slurm job "
+                          "step); MIN:MAX keeps training while nodes leave and join: each node runs slots_per_trial / "
+                          "MAX workers, and the job re-forms from the latest checkpoint at each change "
+                          "(docs/clusters.md, Elastic membership)")
     run.add_argument("--node-rank", type=int, help="this machine's index, 0 on the chief (default 0, or "
                                                      "PET_NODE_RANK, or SLURM_NODEID)")
     run.add_argument("--master-addr",
@@ -72,13 +75,15 @@ def run_experiment(args: argparse.Namespace) -> int:
     from dtrain.determined.command import check_command
     from dtrain.determined.entrypoint import load_trial
     from dtrain.determined.experiment import single_searcher_draw
-    from dtrain.launch import NodeSpec, launch_workers
+    from dtrain.launch import NodeSpec, check_elastic_range, launch_workers
     from dtrain.runs.rundir import SUMMARY_FILE, prepare_run_dir, read_summary, write_json_atomic
     from dtrain.runs.storage import prepare_storage
     from dtrain.runs.store import RunStore
     from dtrain.search.runner import is_search, raw_config
-    from dtrain.train.resize import check_resume_size
+    from dtrain.train.resize import check_resume
+    from dtrain.train.tracking import check_tracking
 
+    _parse_node_range(args)
     raw = raw_config(args.config, args.overrides)
     if is_search(raw):
         return _run_search(args)
@@ -87,6 +92,12 @@ def run_experiment(args: argparse.Namespace) -> int:
         print("dtrain: searcher single over hyperparameter ranges: drew " + ", ".join(
             d.removeprefix("hyperparameters.") for d in drawn) + " (reproducibility.experiment_seed)", file=sys.stderr)
         args.overrides = [*args.overrides, *drawn]
+    if args.min_nodes is not None and args.min_nodes < args.nnodes and "min_checkpoint_period" not in raw:
+        every = int(raw.get("scheduling_unit") or 100)  # each training report: a lost node costs at most this many
+        args.overrides = [*args.overrides, f"min_checkpoint_period={{batches: {every}}}"]
+        print(f"dtrain: --nnodes {args.min_nodes}:{args.nnodes}: a checkpoint every {every} batches (scheduling_unit; "
+              "min_checkpoint_period was not set), so that a lost node costs at most that many batches",
+              file=sys.stderr)
     if any(value is not None for value in (args.slots, args.search_dir, args.storage, args.study)):
         raise ConfigError("--slots, --search-dir, --storage and --study are for a search (searcher random, grid, "
                           "adaptive_asha or optuna); this experiment's searcher is single: drop them")
@@ -98,8 +109,9 @@ def run_experiment(args: argparse.Namespace) -> int:
     _node_options_from_environment(args, os.environ)
     node = NodeSpec(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                     master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
-                    network_interface=args.network_interface)
+                    network_interface=args.network_interface, min_nodes=args.min_nodes)
     node.validate(config.resources.world_size)
+    check_elastic_range(config, node)
     if node.nnodes > 1 and node.node_rank != 0 and node.rdzv_endpoint is None and node.network_interface is None:
         from dtrain.comm.topology import check_master_reachable
 
@@ -110,7 +122,8 @@ def run_experiment(args: argparse.Namespace) -> int:
     else:  # so do a wrong Trial class and hyperparameters it cannot use
         load_trial(config, loaded.base_dir).check_hyperparameters(config.hyperparameters)
     prepare_storage(config.checkpoint_storage)  # a missing library, endpoint, bucket or key: one line, now
-    check_resume_size(config, args.run_dir)  # a run dir written at another size: can it go on at this one?
+    check_resume(config, args.run_dir)  # a run dir written at another size: can it go on at this one?
+    check_tracking(config.tracking)  # tracking.mlflow without the mlflow package or a URI: one line, now
     for warning in loaded.warnings:
         print(f"dtrain: warning: {warning}", file=sys.stderr)
     info = prepare_run_dir(config, args.run_dir, loaded.base_dir, register=node.node_rank == 0,
@@ -141,6 +154,16 @@ def run_experiment(args: argparse.Namespace) -> int:
         summary = _command_summary(info, summary, started, config.resources.world_size)
     _print_summary(info.run_dir, info.experiment_id, summary, time.time() - started)
     return ExitCode.OK if summary.get("status") == "completed" else ExitCode.STOPPED
+
+
+def _parse_node_range(args: argparse.Namespace) -> None:
+    """`--nnodes N` or `MIN:MAX` into `args.nnodes` (N or MAX) and `args.min_nodes` (MIN, or None); a bad value is
+    one line before anything starts."""
+    from dtrain.launch import parse_nnodes
+
+    args.min_nodes = None
+    if isinstance(args.nnodes, str):
+        args.nnodes, args.min_nodes = parse_nnodes(args.nnodes)
 
 
 def _node_options_from_slurm(args: argparse.Namespace, environ: Mapping[str, str], name: str) -> None:
@@ -329,6 +352,11 @@ def _print_summary(run_dir: Path, experiment_id: int | None, summary: dict[str, 
                            if left else ""))
     if experiment_id is not None:
         lines.append(f"  store        dtrain experiments show {experiment_id}")
+    from dtrain.train.tracking import mlflow_run_link
+
+    mlflow = mlflow_run_link(run_dir)
+    if mlflow is not None:
+        lines.append(f"  MLflow       {mlflow}")
     if status == "stopped":
         lines.append("  resume with the same command and --run-dir " + str(run_dir))
     print("\n".join(lines))

@@ -6,7 +6,7 @@ classic experiment file runs unchanged; any other unknown key is rejected with t
 
 One module per job: `base` (strict sections, Length), a module per group of sections (`training`,
 `distributed`, `compression` (one section per compressor), `large_batch`, `optimizers` (one section per
-optimizer), `profiling`, `faults`), `experiment` (the whole file), `names` (the names other
+optimizer), `profiling`, `faults`, `tracking`), `experiment` (the whole file), `names` (the names other
 packages implement), `ignored` (Determined's cluster keys), `loading` (YAML and `--set`), `messages` (the
 one-line errors), `gate` (features not built yet), `strategies` (each strategy's section and its rules),
 `parallelism` (the rules every strategy declares by value, precision) and `reference`
@@ -47,6 +47,7 @@ from dtrain.config.strategies import (
     default_strategy,
     strategy_names,
 )
+from dtrain.config.tracking import MlflowTracking, Tracking
 from dtrain.config.training import DataLoaderConfig, Reproducibility, Resources, Searcher
 
 __all__ = ["COMPRESSORS", "IGNORED_KEYS", "OPTIMIZERS", "STORAGE_TYPES", "BatchSizeSchedule", "StorageSection",
@@ -55,6 +56,6 @@ __all__ = ["COMPRESSORS", "IGNORED_KEYS", "OPTIMIZERS", "STORAGE_TYPES", "BatchS
            "Length", "LoadedConfig", "LocalSGD", "Optimizations", "ParameterServer", "ParameterServerMode",
            "Profiling", "QSGDNorm", "ReduceOp", "Reproducibility", "Resources", "ScalingRule", "Searcher", "Section",
            "StrategyName", "StrategySection", "StrategySections", "AllReduce", "Hierarchical", "Zero1", "Fsdp",
-           "Pipeline", "default_strategy", "strategy_names", "effective_precision",
+           "Pipeline", "MlflowTracking", "Tracking", "default_strategy", "strategy_names", "effective_precision",
            "model_parallel_size", "apply_override", "check_buildable", "dump_config", "is_built", "load_config",
            "parse_override", "read_yaml"]

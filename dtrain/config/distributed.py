@@ -23,6 +23,11 @@ class Optimizations(Section):
     aggregation_frequency: int = Field(
         default=1, ge=1, description="k: accumulate k batches locally (DDP `no_sync`) and communicate on the k-th; "
         "the update equals one batch k times as big")
+    max_per_slot_batch: int | None = Field(
+        default=None, ge=1, description="the most records a slot trains in one forward/backward pass: a larger "
+        "per-slot batch (a run resumed on fewer slots, an uneven split) is trained in as many near-equal passes as "
+        "it needs, their gradients accumulated locally before the one update, which stays the whole batch's; may "
+        "change when a run resumes; unset: one pass")
     average_aggregated_gradients: bool = Field(
         default=True, description="divide the accumulated gradient by k (false: their sum, as Horovod's "
         "`backward_passes_per_step`)")

@@ -17,6 +17,7 @@ from dtrain.config.parallelism import check_layout
 from dtrain.config.profiling import Profiling
 from dtrain.config.storage import CheckpointStorage, DirectoryStorage, storage_by_type
 from dtrain.config.strategies import RunShape
+from dtrain.config.tracking import Tracking
 from dtrain.config.training import DataLoaderConfig, Reproducibility, Resources, Searcher
 from dtrain.errors import ConfigError
 
@@ -73,6 +74,8 @@ class ExperimentConfig(Section):
     large_batch: LargeBatchSection = Field(default_factory=TrialOptimizer, description="optimizer, LR scaling, "
                                            "warm-up, decay, batch-size schedule")
     faults: Faults = Field(default_factory=Faults, description="faults to inject, early stop, synthetic data")
+    tracking: Tracking = Field(default_factory=Tracking, description="an experiment tracker the run also logs to "
+                               "(MLflow), beside the run store and TensorBoard")
     debug: bool = Field(default=False, description="Determined's debug flag: dtrain's workers log at DEBUG level")
 
     @field_validator("hyperparameters")
@@ -164,7 +167,8 @@ class ExperimentConfig(Section):
         shape = RunShape(world_size=self.resources.world_size,
                          global_batch_size=self.hyperparameters.get("global_batch_size"),
                          aggregation_frequency=self.optimizations.aggregation_frequency,
-                         batch_size_schedule=self.large_batch.batch_size_schedule is not None)
+                         batch_size_schedule=self.large_batch.batch_size_schedule is not None,
+                         passes=self.optimizations.max_per_slot_batch is not None)
         check_layout(self.optimizations, self.distributed, self.compression, shape)
         return self
 

@@ -95,7 +95,15 @@ def _bucket_name(bucket: str) -> str:
     return bucket
 
 
-class S3Storage(StorageSection):
+class ObjectStorage(StorageSection):
+    """What every object-storage type has: whether checkpoints upload in the background."""
+
+    background_upload: bool = Field(default=True, description="upload each checkpoint on a background thread while "
+                                    "training goes on (a snapshot in host memory is taken first; at most one upload "
+                                    "in flight, a kill loses only that one); false: training waits for each upload")
+
+
+class S3Storage(ObjectStorage):
     """`s3`: an S3 bucket, or any S3-compatible server through `endpoint_url` (needs `pip install 'dtrain[s3]'`).
     Credentials: `access_key`/`secret_key`, else the usual AWS environment (`AWS_ACCESS_KEY_ID`, a profile...)."""
 
@@ -123,7 +131,7 @@ class S3Storage(StorageSection):
         return None
 
 
-class GcsStorage(StorageSection):
+class GcsStorage(ObjectStorage):
     """`gcs`: a Google Cloud Storage bucket through fsspec's gcsfs (`pip install gcsfs`; not tested here)."""
 
     type: Literal["gcs"] = Field(default="gcs", description="where checkpoints go")
@@ -137,7 +145,7 @@ class GcsStorage(StorageSection):
         return self
 
 
-class AzureStorage(StorageSection):
+class AzureStorage(ObjectStorage):
     """`azure`: an Azure Blob Storage container through fsspec's adlfs (`pip install adlfs`; not tested here)."""
 
     type: Literal["azure"] = Field(default="azure", description="where checkpoints go")

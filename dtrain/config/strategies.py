@@ -31,6 +31,7 @@ class RunShape:
     global_batch_size: object  # hyperparameters.global_batch_size as written (an int when it is one)
     aggregation_frequency: int  # optimizations.aggregation_frequency
     batch_size_schedule: bool  # large_batch.batch_size_schedule is set
+    passes: bool = False  # optimizations.max_per_slot_batch is set: a slot's batch may take several passes
 
 
 class StrategySection(Section):
@@ -118,12 +119,13 @@ class ParameterServer(StrategySection):
             raise ValueError(f"distributed.parameter_server.backup_workers ({self.backup_workers}) must be below "
                              f"resources.slots_per_trial ({world}): each update needs at least one gradient; use "
                              f"0..{world - 1}")
-        if (self.mode != "sync" or self.backup_workers) and (shape.aggregation_frequency > 1
+        if (self.mode != "sync" or self.backup_workers) and (shape.aggregation_frequency > 1 or shape.passes
                                                              or shape.batch_size_schedule):
             how = f"mode `{self.mode}`" if self.mode != "sync" else "backup_workers"
             raise ValueError(f"distributed.parameter_server {how} lets workers run different numbers of batches, so "
-                             "optimizations.aggregation_frequency and large_batch.batch_size_schedule do not apply; "
-                             "remove them or use `mode: sync` without backup workers")
+                             "optimizations.aggregation_frequency, max_per_slot_batch and "
+                             "large_batch.batch_size_schedule do not apply; remove them or use `mode: sync` without "
+                             "backup workers")
 
 
 class LocalSGD(StrategySection):
@@ -189,6 +191,10 @@ class Pipeline(StrategySection):
             raise ValueError(f"distributed.pipeline.split_points names {len(self.split_points)} cut(s) "
                              f"({', '.join(self.split_points)}) for {self.stages} stages; name stages - 1 = "
                              f"{self.stages - 1}")
+        if shape.passes:
+            raise ValueError("optimizations.max_per_slot_batch with strategy pipeline: raise "
+                             "distributed.pipeline.microbatches instead (a replica's batch already runs in "
+                             "microbatches)")
         if shape.aggregation_frequency != 1:
             raise ValueError("optimizations.aggregation_frequency > 1 with strategy pipeline: raise "
                              "distributed.pipeline.microbatches instead (microbatches already accumulate gradients)")

@@ -72,16 +72,19 @@ class ShardedBatchSampler:
     Every epoch is one permutation of the dataset cut into `len(self)` full global batches (an incomplete
     last batch is dropped, so that every step trains on exactly the configured global batch); rank r takes
     its slice of each. Starting at `start_batch` lets a resumed run continue in the middle of an epoch;
-    `start_record` (instead) starts at any record, where a batch-size schedule changed the global batch.
+    `start_record` (instead) starts at any record, where a batch-size schedule changed the global batch. With
+    `passes` > 1 each of this rank's batches comes as that many parts, trained one pass each
+    (`optimizations.max_per_slot_batch`).
     """
 
     def __init__(self, num_records: int, split: BatchSplit, rank: int, seed: int, epoch: int,
-                 start_batch: int = 0, *, start_record: int | None = None) -> None:
+                 start_batch: int = 0, *, start_record: int | None = None, passes: int = 1) -> None:
         if num_records < split.global_batch_size:
             raise ConfigError(f"the training data has {num_records} records, fewer than one global batch "
                               f"({split.global_batch_size}); lower hyperparameters.global_batch_size")
         self.num_records, self.split, self.rank = num_records, split, rank
         self.seed, self.epoch = seed, epoch
+        self.passes = passes  # each of this rank's batches is yielded as this many consecutive, near-equal parts
         self.start_record = start_batch * split.global_batch_size if start_record is None else start_record
 
     def __len__(self) -> int:
@@ -94,7 +97,23 @@ class ShardedBatchSampler:
         size = self.split.per_rank[self.rank]
         for batch in range(len(self)):
             base = batch * global_size + start
-            yield order[base:base + size].tolist()
+            for offset, records in zip(pass_offsets(size, self.passes), pass_sizes(size, self.passes), strict=True):
+                yield order[base + offset:base + offset + records].tolist()
+
+
+def pass_sizes(records: int, passes: int) -> tuple[int, ...]:
+    """`records` cut into `passes` consecutive parts whose sizes differ by at most one, the larger first."""
+    base, extra = divmod(records, passes)
+    return tuple(base + (1 if index < extra else 0) for index in range(passes))
+
+
+def pass_offsets(records: int, passes: int) -> list[int]:
+    """Where each of the parts `pass_sizes` gives starts."""
+    starts, total = [], 0
+    for size in pass_sizes(records, passes):
+        starts.append(total)
+        total += size
+    return starts
 
 
 def batches_per_epoch(num_records: int, split: BatchSplit) -> int:

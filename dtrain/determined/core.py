@@ -82,11 +82,16 @@ class _Run:
         if self.distributed.rank != 0:
             return
         run = json.loads((self.run_dir / "run.json").read_text()) if (self.run_dir / "run.json").is_file() else {}
+        from dtrain.config import Tracking
         from dtrain.train.metrics import MetricsWriter
+        from dtrain.train.tracking import start_tracking
 
         store = run.get("store")
+        tracker = start_tracking(Tracking.model_validate(self.config.get("tracking") or {}),
+                                 name=str(self.config.get("name") or "experiment"),
+                                 hyperparameters=dict(self.config.get("hyperparameters") or {}), run_dir=self.run_dir)
         self.writer = MetricsWriter(store_path=Path(store) if store else None, trial_id=run.get("trial_id"),
-                                    tensorboard_dir=self.run_dir / "tensorboard")
+                                    tensorboard_dir=self.run_dir / "tensorboard", tracker=tracker)
         self.writer.status("running")
         self.link = _search_link(self.run_dir)
 
@@ -133,6 +138,7 @@ class TrainContext:
         self._run.steps_completed = max(self._run.steps_completed, int(steps_completed))
         if self._run.writer is not None:
             self._run.writer.training(int(steps_completed), 0.0, time.time() - self._run.started, _floats(metrics))
+            self._run.writer.flush()  # a report: to the store's writer thread (and the MLflow tracker's) now
 
     def report_validation_metrics(self, steps_completed: int, metrics: Mapping[str, Any]) -> None:
         """Record the metrics; in a search, the searcher metric goes to the searcher, which may stop the trial

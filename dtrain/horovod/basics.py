@@ -2,8 +2,9 @@
 what is "built", the reduce ops, process sets and the timeline switch.
 
 Rank and size come from the variables `dtrain horovodrun` (or torchrun, or Horovod's own gloo launcher) sets:
-`HOROVOD_RANK`/`RANK`, `HOROVOD_SIZE`/`WORLD_SIZE`, and their local and cross-host counterparts. Without any
-of them (a plain `python train.py`) `init()` makes a world of one, as Horovod does.
+`HOROVOD_RANK`/`RANK`, `HOROVOD_SIZE`/`WORLD_SIZE`, and their local and cross-host counterparts; under `mpirun`
+from the MPI launcher's (`horovod/mpi.py`). Without any of them (a plain `python train.py`) `init()` makes a world
+of one, as Horovod does.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import socket
 import time
 import warnings
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import HashStore
 
-from dtrain.horovod import membership
+from dtrain.horovod import membership, mpi
 
 Average, Sum, Adasum, Min, Max, Product = 1, 0, 2, 3, 4, 5
 OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
@@ -117,27 +119,38 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
                          "call hvd.add_process_set(ranks) after init()")
     world = _env_int("HOROVOD_SIZE", "WORLD_SIZE", default=1)
     me = _env_int("HOROVOD_RANK", "RANK", default=0)
+    mpi_process = None if {"HOROVOD_RANK", "RANK"} & set(os.environ) or membership.active() else \
+        mpi.read_mpi_process(os.environ)
+    if mpi_process is not None:  # started by mpirun: its variables, and a rendezvous no MPI launcher gives
+        world, me = mpi_process.size, mpi_process.rank
+        os.environ.setdefault("DTRAIN_HOROVOD_STATE_DIR", mpi.state_dir(mpi_process))
     if not dist.is_initialized() and membership.active():  # elastic: the driver's newest generation
         membership.join(membership.current_generation(), gloo_timeout())
         STATE.owns_group = True
     elif not dist.is_initialized():
+        timeout = timedelta(seconds=gloo_timeout())
         if world == 1 and "MASTER_ADDR" not in os.environ:
             dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+        elif mpi_process is not None:
+            mpi.init_process_group(mpi_process, "gloo", timeout)
         else:
             os.environ.setdefault("MASTER_ADDR", os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1"))
             if "HOROVOD_GLOO_RENDEZVOUS_PORT" in os.environ:
                 os.environ.setdefault("MASTER_PORT", os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"])
             if "HOROVOD_GLOO_IFACE" in os.environ:
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", os.environ["HOROVOD_GLOO_IFACE"])
-            from datetime import timedelta
-
-            dist.init_process_group("gloo", rank=me, world_size=world, timeout=timedelta(seconds=gloo_timeout()))
+            dist.init_process_group("gloo", rank=me, world_size=world, timeout=timeout)
         STATE.owns_group = True
     STATE.rank, STATE.size = dist.get_rank(), dist.get_world_size()
-    STATE.local_size = _env_int("HOROVOD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", default=STATE.size)
-    STATE.local_rank = _env_int("HOROVOD_LOCAL_RANK", "LOCAL_RANK", default=STATE.rank % STATE.local_size)
-    STATE.cross_rank = _env_int("HOROVOD_CROSS_RANK", "GROUP_RANK", default=STATE.rank // STATE.local_size)
-    STATE.cross_size = _env_int("HOROVOD_CROSS_SIZE", default=max(1, STATE.size // STATE.local_size))
+    if mpi_process is not None and STATE.size == mpi_process.size:
+        layout = mpi.exchange_layout(mpi_process)
+        STATE.local_rank, STATE.local_size = layout.local_rank, layout.local_size
+        STATE.cross_rank, STATE.cross_size = layout.cross_rank, layout.cross_size
+    else:
+        STATE.local_size = _env_int("HOROVOD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", default=STATE.size)
+        STATE.local_rank = _env_int("HOROVOD_LOCAL_RANK", "LOCAL_RANK", default=STATE.rank % STATE.local_size)
+        STATE.cross_rank = _env_int("HOROVOD_CROSS_RANK", "GROUP_RANK", default=STATE.rank // STATE.local_size)
+        STATE.cross_size = _env_int("HOROVOD_CROSS_SIZE", default=max(1, STATE.size // STATE.local_size))
     STATE.initialized = True
     if not _AT_EXIT:  # as Horovod does: leave cleanly when the script ends without hvd.shutdown()
         atexit.register(shutdown)

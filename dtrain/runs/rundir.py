@@ -2,8 +2,9 @@
 
 A run dir holds `config.yaml` (the resolved config, secrets left out), `run.json` (its ids in the store and where
 its checkpoints go), `summary.json`, `checkpoints/` (unless `checkpoint_storage` sends them elsewhere: see
-runs/storage.py), `tensorboard/` and `logs/`. Starting `dtrain run` again on a run dir that holds an
-unfinished run of the same config resumes it; anything else is refused before a file is touched.
+runs/storage.py), `tensorboard/`, `logs/` and, with `tracking.mlflow`, `mlflow-run.json`. Starting `dtrain run`
+again on a run dir that holds an unfinished run of the same config resumes it; anything else is refused before a
+file is touched.
 """
 
 from __future__ import annotations
@@ -23,13 +24,15 @@ from dtrain.runs.store import RunStore
 
 CONFIG_FILE, RUN_FILE, SUMMARY_FILE = "config.yaml", "run.json", "summary.json"
 # Config sections that may change between a run and its resumption.
-RESUMABLE_CHANGES = ("faults", "debug", "max_restarts", "nan_policy", "max_consecutive_nan_skips")
+RESUMABLE_CHANGES = ("faults", "debug", "max_restarts", "nan_policy", "max_consecutive_nan_skips", "tracking")
 # Keys that may change between a run and its resumption because a resumed run keeps its global batch and cuts it
-# over the new workers (dtrain.train.resize): the world size, and the per-worker shares that follow from it.
-RESIZE_KEYS = ("resources.slots_per_trial", "distributed.heterogeneous.split")
+# over the new workers (dtrain.train.resize): the world size, the per-worker shares that follow from it, and the
+# passes a slot's batch is trained in (the update stays the whole batch's).
+RESIZE_KEYS = ("resources.slots_per_trial", "distributed.heterogeneous.split", "optimizations.max_per_slot_batch")
 
 
 SEARCH_LINK_FILE = "search-trial.json"  # a search writes it into a trial's run dir before the run starts
+MLFLOW_RUN_FILE = "mlflow-run.json"  # with tracking.mlflow: the MLflow run this run logs to (a resume continues it)
 
 
 def runs_root() -> Path:

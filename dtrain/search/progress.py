@@ -110,6 +110,21 @@ def checkpoint_of(run_dir: Path) -> Path | str | None:
     return _located(store, latest) if latest else None
 
 
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether a trial's run will resume from a checkpoint: its checkpoint storage (the run dir's `checkpoints/`, a
+    folder elsewhere or object storage, as run.json records it) names a `latest` one."""
+    from dtrain.runs.rundir import load_run_info
+    from dtrain.runs.storage import with_secrets
+    from dtrain.train.checkpoint import read_latest_name
+
+    if not run_dir.is_dir():
+        return False
+    try:
+        return read_latest_name(with_secrets(load_run_info(run_dir).checkpoints)) is not None
+    except OSError:  # the storage cannot be reached now: the trial's own run says what it finds there
+        return False
+
+
 def _located(store: CheckpointStore, name: str) -> Path | str:
     """A name in a checkpoint store as a local Path, or a URL."""
     return store.local_path(name) if store.is_local else store.describe(name)

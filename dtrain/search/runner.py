@@ -32,10 +32,11 @@ from dtrain.errors import ConfigError, ExitCode
 from dtrain.runs.processes import CONCURRENT_RUNS_ENV, process_alive
 from dtrain.search import asha
 from dtrain.search.link import BRACKET, INVALID, STOPPED, LinkRecord, make_pruner
-from dtrain.search.progress import SearchProgress
+from dtrain.search.progress import SearchProgress, has_checkpoint
 from dtrain.search.space import Space
 from dtrain.search.spec import SearchSpec, is_command_experiment, parse_searcher
 from dtrain.search.study import ask, open_study, total_trials
+from dtrain.search.tracking import SearchTracking, tracking_of
 
 STUDY_FILE = "study.db"
 SEARCH_FILE = "search.json"
@@ -116,6 +117,7 @@ class SearchRunner:
                          if self.spec.name == "adaptive_asha" else [])
         self.me = owner_id()
         self.progress = SearchProgress(self.spec, self.total)
+        self.tracking = SearchTracking(tracking_of(raw), name=str(raw.get("name") or config.stem))
 
     # ------------------------------------------------------------------------------------- rules
 
@@ -184,12 +186,12 @@ class SearchRunner:
         command = [sys.executable, "-m", "dtrain.cli", "run", str(self.config), "--run-dir", str(run_dir)]
         if experiment_id is not None:
             command += ["--experiment-id", str(experiment_id)]
-        for setting in [*self.overrides, *trial_settings(params, self.spec)]:
+        for setting in [*self.overrides, *trial_settings(params, self.spec), *self.tracking.trial_settings(number)]:
             command += ["--set", setting]
         logs = self.search_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log = open(logs / f"trial-{number}.log", "a")  # noqa: SIM115 - the child holds it; closed at exit
-        self.progress.started(number, params, trial.user_attrs.get(BRACKET), resumed=(run_dir / "checkpoints").is_dir())
+        self.progress.started(number, params, trial.user_attrs.get(BRACKET), resumed=has_checkpoint(run_dir))
         # a session of its own: a terminal's Ctrl-C reaches the search alone, which passes it on once
         # the trial's processes share the cores with those of the other trials running beside it
         environment = {**os.environ, CONCURRENT_RUNS_ENV: str(self.parallel)}
@@ -275,6 +277,7 @@ class SearchRunner:
         study = open_study(self.storage, self.study_name, self.spec, self.space, self.seed,
                            make_pruner(self._pruning_rule()))
         storage = study._storage  # the storage object Optuna built the study on (get_trial by id)
+        self.tracking.start(study, self.spec, self.config)
         running: list[Running] = []
         interrupted = False
         last_beat = 0.0
@@ -324,6 +327,7 @@ class SearchRunner:
                         self._finish(study, storage, item, interrupted)
                     running = []
                 if interrupted:
+                    self.tracking.end("interrupted", [], self.spec)
                     print("dtrain search: interrupted; run the same command again to resume the search",
                           file=sys.stderr, flush=True)
                     return ExitCode.INTERRUPTED
@@ -360,7 +364,13 @@ class SearchRunner:
         rungs = sorted({u for b in self.brackets for u in b.units})
         for line in write_results(trials, self.spec, self.search_dir, self.study_name, self.storage, rungs):
             print(line, flush=True)
+        mlflow = self.tracking.link()
+        if mlflow is not None:
+            print(f"  MLflow      {mlflow} (the trials are its child runs)", flush=True)
         errored = [t for t in trials if t.state == optuna.trial.TrialState.FAIL and not t.user_attrs.get(INVALID)]
+        completed = [(t.number, float(t.value)) for t in trials
+                     if t.state == optuna.trial.TrialState.COMPLETE and t.value is not None]
+        self.tracking.end("failed" if errored else "completed", completed, self.spec)
         return ExitCode.FAILED if errored else ExitCode.OK
 
 

@@ -36,6 +36,7 @@ from dtrain.train.checkpointing import agreed_store
 from dtrain.train.faults import FAULTS_FILE, FaultInjector
 from dtrain.train.metrics import MetricsWriter
 from dtrain.train.progress import Progress
+from dtrain.train.tracking import start_tracking
 from dtrain.train.trial import Trial, TrialContext
 
 log = logging.getLogger(__name__)
@@ -91,8 +92,10 @@ class SVMRunner:
         self.faults = FaultInjector(config.faults, topology.rank, record_path=self.run_dir / "logs" / FAULTS_FILE,
                                     restart_count=topology.restart_count)
         chief = topology.is_chief
+        tracker = (start_tracking(config.tracking, name=config.name, hyperparameters=config.hyperparameters,
+                                  run_dir=self.run_dir) if chief else None)
         self.metrics = MetricsWriter(store_path=run_info.store if chief else None, trial_id=run_info.trial_id,
-                                     tensorboard_dir=self.run_dir / "tensorboard" if chief else None)
+                                     tensorboard_dir=self.run_dir / "tensorboard" if chief else None, tracker=tracker)
         self.progress = Progress(self.total_batches, 0, self.iterations_per_batch, enabled=chief)
         self.status = "running"
         self.step = 0
@@ -154,6 +157,7 @@ class SVMRunner:
         self.newest = ckpt.write_checkpoint(self.checkpoints, self.step, tensors, state,
                                             extra_meta={"kind": "svm"},
                                             after_model_file=lambda: self.faults.during_checkpoint(self.step))
+        self.metrics.checkpoint(self.step, str(self.newest.path))
         ckpt.prune_checkpoints(self.checkpoints, keep_latest=2, keep_steps=set())
         barrier()
 

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from dtrain.comm import Topology, all_gather_object
 from dtrain.data.arrays import keep_batch
-from dtrain.data.sharding import BatchSplit, ShardedBatchSampler
+from dtrain.data.sharding import BatchSplit, ShardedBatchSampler, pass_sizes
 from dtrain.errors import SyncError, TrialError
 from dtrain.optim.batch_schedule import BatchPhase, BatchPlan
 
@@ -105,8 +105,10 @@ class BatchSizes:
     factor its backward passes scale the loss by (world * this rank's share of the global batch, / k when
     aggregated gradients are averaged: the contract in dtrain.sync.base)."""
 
-    def __init__(self, base: BatchSplit, *, rank: int, world_size: int, average_aggregated: bool) -> None:
+    def __init__(self, base: BatchSplit, *, rank: int, world_size: int, average_aggregated: bool,
+                 max_per_pass: int | None = None) -> None:
         self.base = base
+        self.max_per_pass = max_per_pass  # optimizations.max_per_slot_batch
         self.rank = rank
         self.world_size = world_size
         self.average_aggregated = average_aggregated
@@ -115,12 +117,19 @@ class BatchSizes:
         self.phase: BatchPhase | None = None
         self.aggregation_frequency = 1  # of the current phase
         self.loss_scale = 1.0
+        self.pass_records: tuple[int, ...] = (self.records,)  # this rank's batch as the passes that train it
 
     def split_of(self, phase: BatchPhase) -> BatchSplit:
         """The configured per-rank batches multiplied by the phase's multiplier."""
         times = phase.batch_multiplier
         return BatchSplit(per_rank=tuple(size * times for size in self.base.per_rank),
                           requested_global=self.base.requested_global * times)
+
+    def passes_of(self, phase: BatchPhase) -> int:
+        """Forward/backward passes this rank trains each batch of `phase` in: one, or as many as keep every pass
+        within `max_per_pass` records."""
+        records = self.split_of(phase).per_rank[self.rank]
+        return 1 if self.max_per_pass is None else -(-records // self.max_per_pass)
 
     def rebase(self, base: BatchSplit) -> None:
         """Cut every batch by `base` from now on (re-balancing: the global batch is the same), in the same phase."""
@@ -137,6 +146,7 @@ class BatchSizes:
         self.aggregation_frequency = phase.aggregation_frequency
         self.split = self.split_of(phase)
         self.records = self.split.per_rank[self.rank]
+        self.pass_records = pass_sizes(self.records, self.passes_of(phase))
         self.loss_scale = self.world_size * self.split.weight(self.rank)
         if self.average_aggregated:
             self.loss_scale /= phase.aggregation_frequency
@@ -145,7 +155,8 @@ class BatchSizes:
 
 class TrainingBatches:
     """This rank's training batches, phase after phase, each phase's split from its place in the data and a fresh
-    shuffle at every pass (the same walk for a run that resumed at any step)."""
+    shuffle at every pass (the same walk for a run that resumed at any step); a batch trained in several passes
+    (`BatchSizes.pass_records`) comes as that many parts."""
 
     def __init__(self, data: SizedDataset, plan: BatchPlan, sizes: BatchSizes, *, seed: int, num_workers: int,
                  pin_memory: bool) -> None:
@@ -161,17 +172,19 @@ class TrainingBatches:
         while True:
             phase = self.plan.phase_at(step)
             end = self.plan.phase_end(phase)
-            batches = self._phase_batches(self.sizes.split_of(phase), *self.plan.position_at(step))
+            passes = self.sizes.passes_of(phase)
+            batches = self._phase_batches(self.sizes.split_of(phase), *self.plan.position_at(step), passes=passes)
             if end is None:
                 yield from batches
                 return
-            yield from itertools.islice(batches, end - step)
+            yield from itertools.islice(batches, (end - step) * passes)
             step = end
 
-    def _phase_batches(self, split: BatchSplit, data_pass: int, offset: int) -> Iterator[Any]:
-        """Batches of one split from (pass, record offset) on, crossing epoch boundaries with a fresh shuffle each."""
+    def _phase_batches(self, split: BatchSplit, data_pass: int, offset: int, *, passes: int) -> Iterator[Any]:
+        """Batches of one split from (pass, record offset) on, crossing epoch boundaries with a fresh shuffle each;
+        each of this rank's batches as `passes` parts."""
         sampler = ShardedBatchSampler(len(self.data), split, self.sizes.rank, self.seed, data_pass,
-                                      start_record=offset)
+                                      start_record=offset, passes=passes)
         collate = keep_batch if returns_batches(self.data) else None
         loader: DataLoader[Any] = DataLoader(
             # SizedDataset is the protocol of what DataLoader uses; torch's stub asks for its Dataset class

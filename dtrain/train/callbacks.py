@@ -8,7 +8,8 @@ Where each hook runs, in step order:
   what `before_compute` spent and without the communication the backward pass waited for);
 - `before_update(step, model)`: after the backward pass of an update's last batch (gradients synchronized),
   before all ranks decide whether to apply it;
-- `during_checkpoint(step)`: on rank 0, between the files of a checkpoint write.
+- `during_checkpoint(step)`: on rank 0, between the files of a checkpoint write (on the upload's thread when
+  the checkpoint is uploaded in the background).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ plain one); DCP's `.metadata`, written last, marks the shards complete.
 `.partial-*` folder renamed into place; on object storage (no rename) the files are uploaded in place with
 `meta.json` last and an older `meta.json` of the same step deleted first, so a kill in the middle of an upload
 never leaves a checkpoint that a resume would take. Deleting one removes its `meta.json` first for the same reason.
+On object storage rank 0 runs a plain checkpoint's write on a background thread by default (dtrain.train.upload,
+`Checkpointer`): the same sequence, from a snapshot in host memory, with `latest` and deletions after the commit.
 """
 
 from __future__ import annotations
@@ -220,7 +222,32 @@ def verify_checkpoint(path: Path | str, store: CheckpointStore | None = None) ->
     if isinstance(sharded, str) and not store.exists(f"{sharded}/{DCP_MARKER}"):
         raise CheckpointError(f"checkpoint {shown} names shards in {store.describe(sharded)}, which are incomplete "
                               f"(no {DCP_MARKER})")
+    if isinstance(sharded, str):
+        lost = missing_shard_files(store, sharded)
+        if lost:
+            raise CheckpointError(f"checkpoint {shown} names shards in {store.describe(sharded)}, which lack "
+                                  f"{', '.join(lost[:4])} ({_writers(lost)}) that its {DCP_MARKER} names")
     return _ref(store, name, step)
+
+
+_SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp")  # DCP's file of one rank: __<rank>_<n>.distcp
+
+
+def missing_shard_files(store: CheckpointStore, folder: str) -> list[str]:
+    """The files the shards' DCP metadata names that `folder` does not hold (a rank's file lost or never copied)."""
+    try:
+        metadata = store.dcp_reader(folder).read_metadata()
+    except Exception as exc:  # DCP's unpickler and the filesystem raise many kinds: all mean "unreadable"
+        raise CheckpointError(f"the shards in {store.describe(folder)} cannot be read: {DCP_MARKER} is unreadable "
+                              f"({type(exc).__name__})") from None
+    named = {str(info.relative_path) for info in (getattr(metadata, "storage_data", None) or {}).values()}
+    present = set(store.listdir(folder))
+    return sorted(name for name in named if name not in present)
+
+
+def _writers(files: list[str]) -> str:
+    ranks = sorted({int(m.group(1)) for m in map(_SHARD_FILE.fullmatch, files) if m is not None})
+    return f"written by rank {', '.join(map(str, ranks))}" if ranks else "shard files"
 
 
 def checkpoint_names(root: Path | CheckpointStore) -> list[str]:

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from dtrain.comm import Topology, all_gather_object, barrier, broadcast_object
-from dtrain.config import ExperimentConfig
+from dtrain.config import ExperimentConfig, StorageSection
+from dtrain.config.storage import ObjectStorage
 from dtrain.errors import CheckpointError
 from dtrain.runs.storage import CheckpointStore, ShardFolder, with_secrets
 from dtrain.sync import OwnsCheckpointState, SyncStrategy, WritesShardedCheckpoint
@@ -28,6 +29,7 @@ from dtrain.train.optimization import Optimization
 from dtrain.train.rng import capture_rng_state, restore_rng_state
 from dtrain.train.schedule import Schedule
 from dtrain.train.state import TrainerState
+from dtrain.train.upload import BackgroundUploads, host_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,12 @@ def read_checkpoint(root: CheckpointStore, topology: Topology) -> Checkpoint | N
         return None
     step, model_state, state = payload
     return Checkpoint(step=step, model_state=model_state, state=state)
+
+
+def uploads_in_background(section: StorageSection, root: CheckpointStore) -> bool:
+    """Whether rank 0 uploads plain checkpoints in the background: on object storage unless
+    `checkpoint_storage.background_upload` is false; a local folder is written before training goes on."""
+    return isinstance(section, ObjectStorage) and section.background_upload and not root.is_local
 
 
 class PlainCheckpointState:
@@ -169,22 +177,28 @@ class CheckpointPolicy:
 
 
 class Checkpointer:
-    """Writes the run's checkpoints (all ranks call `write` together) and remembers the latest one."""
+    """Writes the run's checkpoints (all ranks call `write` together) and remembers the latest complete one. With
+    `background` (object storage's default, `checkpoint_storage.background_upload`), rank 0 hands a plain
+    checkpoint to a background upload (dtrain.train.upload) and training goes on; a sharded one (FSDP, pipeline)
+    is written by every rank before training goes on, as on local storage."""
 
     def __init__(self, root: CheckpointStore, topology: Topology, owner: OwnsCheckpointState, policy: CheckpointPolicy,
-                 callbacks: StepCallbacks) -> None:
+                 callbacks: StepCallbacks, *, background: bool = False) -> None:
         self.root = root
         self.topology = topology
         self.owner = owner
         self.policy = policy
         self.callbacks = callbacks
-        self.latest: ckpt.CheckpointRef | None = None  # written by this process (rank 0)
+        self.uploads = BackgroundUploads() if background and topology.is_chief else None
+        self.latest: ckpt.CheckpointRef | None = None  # the newest complete one this process (rank 0) wrote
+        self._committed: list[ckpt.CheckpointRef] = []  # complete since the last take_committed
 
     def write(self, step: int, metric: float | None, *, state: TrainerState, optimization: Optimization,
               strategy: SyncStrategy, epoch: float, trial_state: dict[str, Any] | None = None) -> None:
         """Every rank's RNG state and the model, optimizer, schedules, strategy, trainer state and the Trial's own
         state after `step`; `metric` is the searcher metric of a validation at this step (kept for best-checkpoint
-        pruning)."""
+        pruning). With a background upload this returns once rank 0 holds a snapshot; `take_committed` tells when
+        the checkpoint is complete."""
         rng_states = all_gather_object(capture_rng_state())
         if metric is not None:
             state.checkpoint_metrics[step] = metric
@@ -204,16 +218,53 @@ class Checkpointer:
             optimizer_state = self.owner.optimizer_state_dict(optimization.optimizer)
         if not self.topology.is_chief:
             return
-        started = time.perf_counter()
         contents = {"optimizer": optimizer_state, **optimization.schedule_state(), "strategy": strategy.state_dict(),
                     "trainer": state.to_dict(), "rng": rng_states, "trial": trial_state or {}, **sharded}
-        ref = ckpt.write_checkpoint(self.root, step, model_state, contents,
-                                    extra_meta={"world_size": self.topology.world_size, "epoch": epoch, **sharded,
-                                                **batch_meta(state)},
+        extra_meta = {"world_size": self.topology.world_size, "epoch": epoch, **sharded, **batch_meta(state)}
+        keep_best = self.policy.best_steps(state.checkpoint_metrics)
+        if self.uploads is None or sharded:
+            if self.uploads is not None:
+                self.uploads.wait()
+            self._committed.append(self._commit(step, model_state, contents, extra_meta, keep_best))
+            return
+        model_state, contents = host_snapshot(model_state), host_snapshot(contents)
+        self.uploads.submit(self.root.describe(ckpt.checkpoint_name(step)),
+                            lambda: self._commit(step, model_state, contents, extra_meta, keep_best))
+
+    def _commit(self, step: int, model_state: dict[str, Any], contents: dict[str, Any], extra_meta: dict[str, Any],
+                keep_best: set[int]) -> ckpt.CheckpointRef:
+        """Write the checkpoint (`meta.json` last, then `latest`), then delete what keep-latest/keep-best drop:
+        nothing is deleted before the new checkpoint counts."""
+        started = time.perf_counter()
+        ref = ckpt.write_checkpoint(self.root, step, model_state, contents, extra_meta=extra_meta,
                                     after_model_file=lambda: self.callbacks.during_checkpoint(step))
-        self.latest = ref
-        ckpt.prune_checkpoints(self.root, self.policy.keep_latest, self.policy.best_steps(state.checkpoint_metrics))
-        log.info("checkpoint %s written in %.2f s", ref.path, time.perf_counter() - started)
+        ckpt.prune_checkpoints(self.root, self.policy.keep_latest, keep_best)
+        log.info("checkpoint %s written in %.2f s%s", ref.path, time.perf_counter() - started,
+                 " (background upload)" if self.uploads is not None and not extra_meta.get("sharded") else "")
+        return ref
+
+    def take_committed(self) -> list[ckpt.CheckpointRef]:
+        """The checkpoints that became complete since the last call, oldest first (rank 0; [] elsewhere); raises
+        a background upload's error."""
+        if self.uploads is not None:
+            self._committed.extend(self.uploads.take_committed())
+        done, self._committed = self._committed, []
+        if done:
+            self.latest = done[-1]
+        return done
+
+    def finish_uploads(self, *, failed: bool = False) -> None:
+        """Wait for the upload in flight (at the end of training, a stop, or a failure: the snapshot in flight is a
+        complete, consistent checkpoint worth keeping). After a failure an upload's own error is logged, not
+        raised, so that the failure that ended training is the one reported."""
+        if self.uploads is None:
+            return
+        try:
+            self.uploads.wait()
+        except CheckpointError as exc:
+            if not failed:
+                raise
+            log.error("%s", exc)
 
     def newest(self) -> ckpt.CheckpointRef | None:
         """The checkpoint this run wrote last, else (on rank 0) the newest complete one on disk."""

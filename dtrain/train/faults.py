@@ -123,7 +123,8 @@ class FaultInjector(StepCallback):
 
     def _die(self, index: int, kill: Kill, steps_done: int) -> None:
         record = {"event": "kill", "index": index, "rank": self.rank, "batch": kill.batch, "during": kill.during,
-                  "steps_done": steps_done, "restart": self.restart_count, "time": time.time()}
+                  "steps_done": steps_done, "restart": self.restart_count, "time": time.time(),
+                  "thread": threading.current_thread().name}  # a checkpoint's background upload has a thread of its own
         log.warning("faults.kills[%d]: killing rank %d with SIGKILL %s batch %d", index, self.rank,
                     "in the checkpoint write after" if kill.during == "checkpoint" else "at the start of", kill.batch)
         if self.record_path is not None:

@@ -1,4 +1,5 @@
-"""Rank 0's metric sinks: the SQLite run store and TensorBoard event files, written on a thread of their own.
+"""Rank 0's metric sinks: the SQLite run store and TensorBoard event files, written on a thread of their own (and,
+with `tracking.mlflow`, an MLflow run, fed through its own thread: dtrain.train.tracking).
 
 A commit to the store ends with an fsync of its write-ahead log, which on a busy disk takes from milliseconds to
 seconds, and TensorBoard serializes an event per scalar. On the training thread both stalled rank 0 at every
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.runs.store import RunStore
+from dtrain.train.tracking import RunTracker
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +34,12 @@ class MetricsWriter:
     """Buffers training rows and hands them to the writer thread together at each `flush()`; validation rows and
     status changes are handed over at once."""
 
-    def __init__(self, *, store_path: Path | None, trial_id: int | None, tensorboard_dir: Path | None) -> None:
+    def __init__(self, *, store_path: Path | None, trial_id: int | None, tensorboard_dir: Path | None,
+                 tracker: RunTracker | None = None) -> None:
+        """`tracker` (rank 0's MLflow run, or None) gets the same training and validation rows, the checkpoints'
+        locations and the end status; it is closed with the writer."""
         self._trial_id = trial_id if trial_id is not None else -1
+        self._tracker = tracker
         self._store: RunStore | None = None
         self._tb: Any = None
         self._pending: list[Row] = []
@@ -42,7 +48,7 @@ class MetricsWriter:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         wants_store = store_path is not None and trial_id is not None
-        if not wants_store and tensorboard_dir is None:
+        if not wants_store and tensorboard_dir is None and tracker is None:
             return  # not rank 0: nothing to write, no thread
 
         def open_sinks() -> None:  # on the writer thread: a SQLite connection belongs to the thread that made it
@@ -73,6 +79,8 @@ class MetricsWriter:
 
     def validation(self, step: int, epoch: float, wall_seconds: float, values: Mapping[str, float]) -> None:
         row: Row = (step, epoch, wall_seconds, dict(values))
+        if self._tracker is not None:
+            self._tracker.metrics("validation", [row])
 
         def write() -> None:
             if self._store is not None:
@@ -84,8 +92,18 @@ class MetricsWriter:
 
         self._submit(write)
 
+    def checkpoint(self, step: int, location: str) -> None:
+        """A checkpoint was written at `location` (a path or URL): the tracker records it (the store has the newest
+        in the summary)."""
+        if self._tracker is not None:
+            self._tracker.checkpoint(step, location)
+
     def status(self, status: str, summary: Mapping[str, object] | None = None) -> None:
-        """Record the run's status (and summary); returns once it and everything before it is written."""
+        """Record the run's status (and summary); returns once it and everything before it is written (the store
+        and TensorBoard; the tracker sends it on its own thread)."""
+        if self._tracker is not None:
+            self._tracker.end(status)
+
         def write() -> None:
             if self._store is not None:
                 self._store.set_status(self._trial_id, status, summary)
@@ -99,6 +117,8 @@ class MetricsWriter:
         self._pending, self._pending_scalars = [], []
         if not rows and not scalars:
             return
+        if self._tracker is not None:
+            self._tracker.metrics("train", rows)
 
         def write() -> None:
             if self._store is not None and rows:
@@ -122,6 +142,8 @@ class MetricsWriter:
         self._submit(self._close_sinks)
         self._stop()
         atexit.unregister(self._drain_at_exit)
+        if self._tracker is not None:
+            self._tracker.close()
         self._raise_error()
 
     # ------------------------------------------------------------------------------ the writer thread
@@ -175,5 +197,8 @@ class MetricsWriter:
         except Exception as exc:  # an earlier write failed and nobody called again to see it
             log.warning("metrics not written: %s", exc)
         self._stop()
+        if self._tracker is not None:
+            self._tracker.end("failed")
+            self._tracker.close()
         if self._error is not None:
             log.warning("metrics not written at exit: %s", self._error)

@@ -22,7 +22,7 @@ from dtrain.runs.rundir import CONFIG_FILE, load_run_info
 from dtrain.runs.storage import with_secrets
 from dtrain.sync import strategy_spec
 from dtrain.train.balance import initial_split, proportional_split
-from dtrain.train.checkpoint import read_latest_meta
+from dtrain.train.checkpoint import find_resume_checkpoint, missing_shard_files, read_latest_meta
 
 
 def split_over(global_batch: int, config: ExperimentConfig, replicas: int, *, was: int) -> BatchSplit:
@@ -84,20 +84,24 @@ def check_resize(config: ExperimentConfig, meta: Mapping[str, Any] | None) -> No
         split_over(int(meta["global_batch"]), config, replicas, was=was)
 
 
-def check_resume_size(config: ExperimentConfig, run_dir: Path | None) -> None:
-    """Before any worker starts (`dtrain run`): when `run_dir` holds a run written at another world size, ConfigError
-    (one line) where its strategy cannot change size or its latest checkpoint's global batch cannot be cut over the
-    new data replicas. Nothing is written."""
+def check_resume(config: ExperimentConfig, run_dir: Path | None) -> None:
+    """Before any worker starts (`dtrain run` on a run dir that holds a run): CheckpointError (one line) when the
+    latest checkpoint's shards lack a rank's file and no older complete checkpoint is left to resume from; at another
+    world size, ConfigError (one line) where the strategy cannot change size or the latest checkpoint's global batch
+    cannot be cut over the new data replicas. Nothing is written."""
     if run_dir is None or not (run_dir / CONFIG_FILE).is_file():
         return
-    old = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
-    was = max(int(((old.get("resources") or {}).get("slots_per_trial")) or 1), 1)
-    if was == config.resources.world_size:
-        return
     try:
-        meta = read_latest_meta(with_secrets(load_run_info(run_dir).checkpoints))
+        store = with_secrets(load_run_info(run_dir).checkpoints)
+        meta = read_latest_meta(store)
     except Exception:  # unreachable storage: the workers read the checkpoint and check the same again
-        meta = None
+        return
     if meta is None:
         return
-    check_resize(config, meta)
+    sharded = meta.get("sharded")
+    if isinstance(sharded, str) and missing_shard_files(store, sharded):
+        find_resume_checkpoint(store)  # an older complete checkpoint (the workers resume from it), or one line
+    old = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) or {}
+    was = max(int(((old.get("resources") or {}).get("slots_per_trial")) or 1), 1)
+    if was != config.resources.world_size:
+        check_resize(config, meta)

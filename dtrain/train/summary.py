@@ -10,6 +10,7 @@ from torch import nn
 from dtrain.comm import Topology, all_gather_object
 from dtrain.errors import SyncError
 from dtrain.profile import Profiler
+from dtrain.runs.membership import read_membership
 from dtrain.train.batches import BatchSizes
 from dtrain.train.checkpoint import CheckpointRef
 from dtrain.train.guard import model_digest
@@ -39,6 +40,7 @@ def run_summary(*, status: str, topology: Topology, sizes: BatchSizes, state: Tr
         "checkpoint": checkpoint.model_location if checkpoint is not None else None,
         "restarts": topology.restart_count,
         "resumes": state.resumes,
+        "membership": read_membership(run_dir),
         "nan_steps_skipped": state.nan_steps_skipped,
         "tensorboard": str(run_dir / "tensorboard"),
         "strategy": strategy,

@@ -9,6 +9,7 @@ apply the update (guard, rate, strategy step, wire bytes); at a meeting point re
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping
 from contextlib import nullcontext
@@ -26,6 +27,7 @@ from dtrain.data.synthetic import synthetic_replay
 from dtrain.errors import TrialError
 from dtrain.profile import Profiler
 from dtrain.profile.device_clock import CudaClock
+from dtrain.runs.membership import NODE_RANGE_ENV
 from dtrain.runs.preemptions import describe_preemptions, read_preemptions
 from dtrain.runs.rundir import SUMMARY_FILE, RunInfo, write_json_atomic
 from dtrain.sync import (
@@ -58,11 +60,13 @@ from dtrain.train.checkpointing import (
     checkpoint_state_of,
     read_checkpoint,
     resume,
+    uploads_in_background,
 )
 from dtrain.train.compute import LocalForwardBackward, TimedCompute
 from dtrain.train.evaluation import Evaluator, SearcherMetric
 from dtrain.train.faults import FAULTS_FILE, FaultInjector
 from dtrain.train.guard import GracefulStop, UpdateGuard
+from dtrain.train.membership import note_membership
 from dtrain.train.memory import apply_activation_checkpointing
 from dtrain.train.metrics import MetricsWriter
 from dtrain.train.optimization import build_optimization
@@ -75,6 +79,7 @@ from dtrain.train.schedule import Schedule, resolve_schedule
 from dtrain.train.stalls import StallWatch
 from dtrain.train.state import TrainerState, TrainingClock
 from dtrain.train.summary import replicas_identical, run_profile, run_summary
+from dtrain.train.tracking import start_tracking
 from dtrain.train.trial import Trial, TrialContext
 
 log = logging.getLogger(__name__)
@@ -145,7 +150,8 @@ class Trainer:
         self.train_data, self.val_data = self._build_data()
         self.schedule = self._resolve_schedule(split)
         self.sizes = BatchSizes(split, rank=replica, world_size=replicas,
-                                average_aggregated=config.optimizations.average_aggregated_gradients)
+                                average_aggregated=config.optimizations.average_aggregated_gradients,
+                                max_per_pass=config.optimizations.max_per_slot_batch)
 
         # model, strategy, optimizer: the strategy wraps the model before the optimizer sees its parameters
         self.strategy: SyncStrategy = build_strategy(config, topology)
@@ -193,8 +199,10 @@ class Trainer:
         self.update_began_after = self.state.steps_completed  # the batch after which the current update began
         self.clock = TrainingClock()
         chief = topology.is_chief
+        tracker = (start_tracking(config.tracking, name=config.name, hyperparameters=config.hyperparameters,
+                                  run_dir=self.run_dir) if chief else None)
         self.metrics = MetricsWriter(store_path=run_info.store if chief else None, trial_id=run_info.trial_id,
-                                     tensorboard_dir=self.run_dir / "tensorboard" if chief else None)
+                                     tensorboard_dir=self.run_dir / "tensorboard" if chief else None, tracker=tracker)
         self.reporter = Reporter(self.metrics, self.profiler, topology, self.strategy, self.schedule, self.clock)
         self.progress = Progress(self.schedule.total_batches, self.state.steps_completed,
                                  split.global_batch_size, enabled=chief, report_every=config.scheduling_unit)
@@ -203,7 +211,8 @@ class Trainer:
                                    lockstep=forward_is_collective(self.strategy),
                                    stages=self.strategy if isinstance(self.strategy, EvaluatesInStages) else None)
         self.checkpointer = Checkpointer(self.checkpoints, topology, self.checkpoint_state,
-                                         CheckpointPolicy(config, self.schedule, self.searcher), self.callbacks)
+                                         CheckpointPolicy(config, self.schedule, self.searcher), self.callbacks,
+                                         background=uploads_in_background(config.checkpoint_storage, self.checkpoints))
         self.stalls = StallWatch(topology, config.distributed, self.profiler.timer)
         self.faults.release = self.stalls.abort  # an injected hang ends when the run gives up on it
 
@@ -270,10 +279,17 @@ class Trainer:
         check_same_data_on_all_ranks(self.train_data, self.val_data, self.topology)
         self.metrics.status("running")
         self._announce()
+        note_membership(self.run_dir, self.topology, self.state.steps_completed, self.metrics, self.progress)
         self.stalls.start()
         try:
-            with self.stop:
-                self._train()
+            with self.stop:  # a signal during the last upload's wait does not cut it short
+                try:
+                    self._train()
+                except BaseException:
+                    self.checkpointer.finish_uploads(failed=True)
+                    raise
+                self.checkpointer.finish_uploads()
+                self._announce_checkpoints()
         finally:
             self.progress.close()
             self.stalls.stop()
@@ -333,16 +349,23 @@ class Trainer:
 
     def _forward_backward(self, step: int, *, communicate: bool) -> Mapping[str, Any]:
         """Load batch `step`, run forward and backward (the strategy's stage or the default one), add its metrics
-        to the update's; return the Trial's outputs."""
+        to the update's; return the Trial's outputs. A batch larger than `optimizations.max_per_slot_batch` runs
+        as several passes whose gradients accumulate here (only the last communicates), each loss scaled by its
+        share of the batch, so the update is the whole batch's (the last pass's outputs are returned)."""
         self.context.batches_trained = step - 1
-        with self.profiler.phase("data"):
-            self.callbacks.before_step(step)
-            batch = move_to_device(next(self.batch_stream), self.topology.device, self.channels_last)
-        outputs = self.forward_backward.forward_backward(self.wrapped, batch, self.trial.train_batch,
-                                                         loss_scale=self.sizes.loss_scale, communicate=communicate,
-                                                         phases=self.compute)
+        passes = self.sizes.pass_records
+        outputs: Mapping[str, Any] = {}
+        for index, records in enumerate(passes):
+            with self.profiler.phase("data"):
+                if index == 0:
+                    self.callbacks.before_step(step)
+                batch = move_to_device(next(self.batch_stream), self.topology.device, self.channels_last)
+            scale = self.sizes.loss_scale if len(passes) == 1 else self.sizes.loss_scale * records / self.sizes.records
+            outputs = self.forward_backward.forward_backward(
+                self.wrapped, batch, self.trial.train_batch, loss_scale=scale,
+                communicate=communicate and index == len(passes) - 1, phases=self.compute)
+            self.training_metrics.add_batch(outputs, records)
         self.compute.finish()
-        self.training_metrics.add_batch(outputs, self.sizes.records)
         return outputs
 
     # -------------------------------------------------------------------------------- stage 2: update
@@ -438,12 +461,20 @@ class Trainer:
                 self.checkpointer.write(step, metric, state=self.state, optimization=self.optimization,
                                         strategy=self.strategy, epoch=self.schedule.epoch_of(step),
                                         trial_state=self.trial.state_dict())
-                latest = self.checkpointer.latest if self.topology.is_chief else None
-                self.trial.checkpoint_written(latest.path if latest is not None else None)
+                if not self.topology.is_chief:
+                    self.trial.checkpoint_written(None)
+        self._announce_checkpoints()
         self.progress.pause_clock(time.perf_counter() - aside)
         if stop is not None:
             self._stop(stop, step)
         return stop is not None
+
+    def _announce_checkpoints(self) -> None:
+        """Tell the Trial (rank 0) of each checkpoint that became complete: at once when written blocking, at the
+        first meeting point after its background upload committed, or at the end."""
+        for ref in self.checkpointer.take_committed():
+            self.trial.checkpoint_written(ref.path)
+            self.metrics.checkpoint(ref.step, str(ref.path))  # its location to the tracker, once complete
 
     def _report(self, step: int) -> None:
         training = self.clock.training_seconds
@@ -494,8 +525,11 @@ class Trainer:
             self.progress.note(f"stopped after batch {step} as the trial asked (set_stop_requested); completed")
         elif status == "interrupted":
             received = self.stop.received
+            elastic = os.environ.get(NODE_RANGE_ENV)
             self.progress.note(f"{received.name if received else 'a signal'}: stopped after batch {step} with a "
-                               "checkpoint; run the same command again to resume")
+                               + (f"checkpoint (under --nnodes {elastic} the agents also stop the workers this way to "
+                                  "take in a joining node; then they resume at once)" if elastic else
+                                  "checkpoint; run the same command again to resume"))
         elif self.stopped_by is not None:
             self.progress.note(f"stopped after batch {step} by the searcher: {self.stopped_by}; the checkpoint "
                                "stays in the run dir")

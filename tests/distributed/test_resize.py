@@ -48,33 +48,41 @@ def _phase(topology: Topology, raw: dict[str, Any], run_dir: str) -> dict[str, A
     return {"status": summary["status"], "start": start, "steps": trainer.state.steps_completed,
             "samples": trainer.state.samples_trained, "split": list(trainer.sizes.base.per_rank),
             "lr": float(trainer.optimization.optimizer.param_groups[0]["lr"]),
-            "state": _whole(trainer.strategy.unwrap_model())}
+            "passes": list(trainer.sizes.pass_records),
+            "state": _whole(trainer.strategy.unwrap_model()),
+            "sharded": (Path(run_dir) / "checkpoints" / "sharded" / f"step-{trainer.state.steps_completed}").is_dir()}
 
 
 def resized_runs(spawn: Callable[..., list[Any]], raw: dict[str, Any], root: Path,
-                 phases: tuple[tuple[int, int | None], ...] = PHASES) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                 phases: tuple[tuple[int, int | None], ...] = PHASES, middle: dict[str, Any] | None = None
+                 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every phase's rank results (the last phase's ranks last), and rank 0 of an uninterrupted run at the first
-    phase's size."""
+    phase's size; `middle`: optimizations of the middle phase only."""
     results = []
-    for slots, stop_after in phases:
-        ranks = spawn(_phase, slots, with_slots(raw, slots, stop_after), str(root / "resized"), timeout=300)
+    for index, (slots, stop_after) in enumerate(phases):
+        phase_raw = with_slots(raw, slots, stop_after)
+        if middle is not None and index == 1:
+            phase_raw["optimizations"] = middle
+        ranks = spawn(_phase, slots, phase_raw, str(root / "resized"), timeout=300)
         results.append(ranks)
     uninterrupted = spawn(_phase, phases[0][0], with_slots(raw, phases[0][0], None), str(root / "whole"),
                           timeout=300)
     return results, uninterrupted[0]
 
 
-@pytest.fixture(scope="module")
-def allreduce_runs(spawn: Callable[..., list[Any]], tmp_path_factory: pytest.TempPathFactory
-                   ) -> tuple[list[Any], dict[str, Any]]:
-    return resized_runs(spawn, RAW, tmp_path_factory.mktemp("resize-allreduce"))
+# strategy -> its distributed section: replicated state (allreduce), ZeRO-1's optimizer state consolidated on save and
+# partitioned again on load, FSDP2's parameters and optimizer state resharded by distributed checkpoint on load
+STRATEGIES: dict[str, dict[str, Any]] = {"allreduce": {}, "zero1": {"strategy": "zero1"}, "fsdp": {"strategy": "fsdp"}}
 
 
-def check_same_training(phases: list[list[dict[str, Any]]], whole: dict[str, Any], splits: list[list[int]]) -> None:
+def check_same_training(phases: list[list[dict[str, Any]]], whole: dict[str, Any], splits: list[list[int]],
+                        replicated: int = 1) -> None:
     """Each phase began where the last stopped, cut the same global batch as `splits` says, and the end equals the
-    uninterrupted run within 1e-9 (and it moved the weights)."""
+    uninterrupted run within 1e-9 (and it moved the weights); `replicated`: ranks per data replica (pipeline stages),
+    which share their replica's split."""
     starts = [0] + [stop for _, stop in PHASES[:-1] if stop is not None]
     for ranks, start, split in zip(phases, starts, splits, strict=True):
+        assert len(ranks) == len(split) * replicated
         assert all(rank["start"] == start and rank["split"] == split for rank in ranks), (start, split, ranks[0])
     last = phases[-1]
     assert whole["status"] == "completed" and whole["steps"] == STEPS
@@ -82,12 +90,36 @@ def check_same_training(phases: list[list[dict[str, Any]]], whole: dict[str, Any
     assert _relative(first, whole["state"]) > 1e-3  # the later phases moved the weights
     for rank in last:
         assert rank["status"] == "completed" and rank["steps"] == STEPS
-        assert rank["samples"] == whole["samples"] == STEPS * 16
+        assert rank["samples"] == whole["samples"] == STEPS * sum(splits[0])
         assert rank["lr"] == pytest.approx(whole["lr"], rel=1e-12)  # the schedule carried over
         assert _relative(rank["state"], whole["state"]) < 1e-9
 
 
-def test_allreduce_resumed_at_other_sizes_equals_the_uninterrupted_run(
-        allreduce_runs: tuple[list[Any], dict[str, Any]]) -> None:
-    phases, whole = allreduce_runs
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_a_run_resumed_at_other_sizes_equals_the_uninterrupted_run(spawn: Callable[..., list[Any]], tmp_path: Path,
+                                                                   name: str) -> None:
+    phases, whole = resized_runs(spawn, {**RAW, "distributed": STRATEGIES[name]}, tmp_path)
     check_same_training(phases, whole, [[8, 8], [16], [6, 5, 5]])
+    if name == "fsdp":  # the phases read and wrote shards (DCP), not a plain model.pt
+        assert all(rank["sharded"] for ranks in phases for rank in ranks)
+
+
+@pytest.mark.parametrize("name", ["allreduce", "fsdp"])
+def test_the_middle_phase_may_train_its_larger_batch_in_several_passes(spawn: Callable[..., list[Any]],
+                                                                       tmp_path: Path, name: str) -> None:
+    """On 1 slot the 16 records of a batch are more than `optimizations.max_per_slot_batch: 8`: two passes of 8
+    whose gradients accumulate (aggregation inside the batch, FSDP's no_sync), and the run still ends within 1e-9."""
+    phases, whole = resized_runs(spawn, {**RAW, "distributed": STRATEGIES[name]}, tmp_path,
+                                 middle={"max_per_slot_batch": 8})
+    check_same_training(phases, whole, [[8, 8], [16], [6, 5, 5]])
+    assert [ranks[0]["passes"] for ranks in phases] == [[8], [8, 8], [6]]
+
+
+def test_pipeline_x_data_keeps_its_stages_and_changes_its_data_parallel_degree(spawn: Callable[..., list[Any]],
+                                                                               tmp_path: Path) -> None:
+    """2 stages x 2, then 1, then 3 data replicas (4, 2, 6 processes), 4 microbatches of each replica's share."""
+    raw = {**RAW, "hyperparameters": {**RAW["hyperparameters"], "global_batch_size": 24},
+           "distributed": {"strategy": "pipeline", "pipeline": {"stages": 2, "microbatches": 4, "schedule": "1f1b"}}}
+    phases = tuple((slots * 2, stop) for slots, stop in PHASES)
+    results, whole = resized_runs(spawn, raw, tmp_path, phases)
+    check_same_training(results, whole, [[12, 12], [24], [8, 8, 8]], replicated=2)

@@ -38,12 +38,15 @@ def free_port() -> int:
 @contextmanager
 def moto_server(*, require_auth: bool = False) -> Iterator[str]:
     """Start moto's S3 server on a free loopback port and yield its endpoint URL; stop it by its pid. With
-    `require_auth` the server checks credentials (moto's INITIAL_NO_AUTH_ACTION_COUNT=0), so any key is wrong."""
+    `require_auth` the server checks credentials (moto's INITIAL_NO_AUTH_ACTION_COUNT=0), so any key is wrong. It
+    runs in a session of its own: where the kernel groups CPU time by session (autogroup), it takes a share of its
+    own, as another user's process would, not a share of the caller's (a server on other machines takes none)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     if require_auth:
         env["INITIAL_NO_AUTH_ACTION_COUNT"] = "0"
     process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
+                               start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"
     try:

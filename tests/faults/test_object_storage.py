@@ -29,11 +29,15 @@ from faultkit import (
 )
 from s3kit import KEY, SECRET, client_env, filesystem, free_port, make_bucket, missing_packages, moto_server
 
+from dtrain.train.upload import UPLOAD_THREAD
+
 pytestmark = pytest.mark.skipif(missing_packages() is not None, reason=str(missing_packages()))
 
 BUCKET = "dtrain-ckpts"
 # Killed once in the middle of uploading step-20 (model.pt is in the bucket, meta.json is not: the resume must take
-# step-10), then once between checkpoints (batch 25: the resume takes step-20). digits.yaml checkpoints every 10.
+# step-10, whose upload step-20's waited for), then once between checkpoints (batch 25: the resume takes step-20
+# once it is committed; a background upload of step-20 still in flight at the kill is lost, and the resume takes
+# step-10). digits.yaml checkpoints every 10.
 KILLS = "[{rank: 0, batch: 20, during: checkpoint}, {rank: 1, batch: 25}]"
 RESUMED_FROM = [10, 20]
 RUN_TIMEOUT = 600  # two restarts, each starting its workers again, on a shared machine
@@ -68,14 +72,32 @@ def _run_killed(tmp_path: Path, endpoint: str, *settings: str, **storage: Any) -
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     fired = fault_records(run_dir)
-    assert [(r["rank"], r["batch"], r["during"]) for r in fired] == [(0, 20, "checkpoint"), (1, 25, "step")]
-    log = (run_dir / "logs" / "rank-0.log").read_text()
-    assert [int(line.rsplit("step-", 1)[1]) for line in log.splitlines() if "resumed from checkpoint" in line] == \
-        RESUMED_FROM
+    background = storage.get("background_upload", True) and "distributed.strategy=fsdp" not in settings
+    kills = [(r["rank"], r["batch"], r["during"]) for r in fired]
+    # training goes on during a background upload, so batch 25 may come before the upload of step-20 reaches its
+    # kill: then rank 0, failing, waits for its upload, is killed there, and the one resume takes step-10
+    assert (sorted(kills) if background else kills) == [(0, 20, "checkpoint"), (1, 25, "step")]
+    [in_upload] = [r for r in fired if r["during"] == "checkpoint"]
+    assert in_upload["thread"] == (UPLOAD_THREAD if background else "MainThread")
+    resumed = _resumed_from_last_commit((run_dir / "logs" / "rank-0.log").read_text())
+    assert resumed == RESUMED_FROM or (background and resumed[:1] == [10]), resumed
     url = json.loads((run_dir / "run.json").read_text())["checkpoints"]["url"]
     assert url.startswith(f"s3://{BUCKET}/team/runs/digits_test-")
     assert not (run_dir / "checkpoints").exists()  # the run dir keeps logs, metrics and the summary only
     return run_dir, url
+
+
+def _resumed_from_last_commit(log: str) -> list[int]:
+    """The steps each restart resumed from, checked to be the newest checkpoint committed before it (a kill loses
+    at most the upload in flight)."""
+    committed, resumed = 0, []
+    for line in log.splitlines():
+        if "resumed from checkpoint" in line:
+            resumed.append(int(line.rsplit("step-", 1)[1]))
+            assert resumed[-1] == committed, f"resumed from step-{resumed[-1]}; the last commit was step-{committed}"
+        elif " written in " in line and "checkpoint " in line:
+            committed = int(line.split("/step-", 1)[1].split()[0])
+    return resumed
 
 
 def _no_secret_in(*roots: Path) -> None:
@@ -96,9 +118,10 @@ def clean_model(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     return uninterrupted_model(tmp_path_factory.mktemp("clean"))
 
 
+@pytest.mark.parametrize("background_upload", [True, False], ids=["background", "blocking"])
 def test_s3_run_killed_in_an_upload_and_between_checkpoints_ends_bitwise_identical(
-        endpoint: str, clean_model: bytes, tmp_path: Path) -> None:
-    run_dir, url = _run_killed(tmp_path, endpoint, save_trial_latest=2)
+        background_upload: bool, endpoint: str, clean_model: bytes, tmp_path: Path) -> None:
+    run_dir, url = _run_killed(tmp_path, endpoint, save_trial_latest=2, background_upload=background_upload)
     fs = filesystem(endpoint)
     found = summary(run_dir)
     assert found["checkpoint"] == f"{url}/step-40/model.pt"
@@ -189,14 +212,15 @@ def _search(tmp_path: Path, name: str, storage: dict[str, Any] | None, *settings
 def test_a_search_s_trials_checkpoint_to_s3_and_resume_from_there(endpoint: str, tmp_path: Path) -> None:
     clean = _search(tmp_path, "clean", None)
     storage = {"type": "s3", "bucket": BUCKET, "prefix": "searches", "endpoint_url": endpoint}
-    # every trial is killed once between its checkpoints (batch 15) and resumes from step-10 in the bucket; the
-    # credentials come from the usual AWS environment
-    s3 = _search(tmp_path, "s3", storage, "faults.kills=[{rank: 0, batch: 15}]", "max_restarts=1",
+    # every trial is killed once in the background upload of its last checkpoint (step-20) and resumes from step-10
+    # in the bucket (whose upload step-20's waited for); the credentials come from the usual AWS environment
+    s3 = _search(tmp_path, "s3", storage, "faults.kills=[{rank: 0, batch: 20, during: checkpoint}]", "max_restarts=1",
                  env=client_env(endpoint))
     fs = filesystem(endpoint)
     for number in (0, 1):
         trial = s3 / f"trial-{number}"
         assert "resumed from checkpoint step-10" in (trial / "logs" / "rank-0.log").read_text()
+        assert [record["thread"] for record in fault_records(trial)] == [UPLOAD_THREAD]
         assert not (trial / "checkpoints").exists()
         url = summary(trial)["checkpoint"]
         assert url.startswith(f"s3://{BUCKET}/searches/digits_search-") and url.endswith("/step-20/model.pt")

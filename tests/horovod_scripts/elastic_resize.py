@@ -31,6 +31,7 @@ parser.add_argument("--lose-at-size", type=int, default=3, help="... while the j
 parser.add_argument("--pause", type=float, default=0.0, help="seconds of sleep per batch")
 parser.add_argument("--log", help="rank 0 appends one JSON line per batch here")
 parser.add_argument("--summary", help="rank 0 writes what it saw here at the end")
+parser.add_argument("--save-model", help="rank 0 saves the final model's state_dict here")
 opts = parser.parse_args()
 
 hvd.init()
@@ -87,6 +88,8 @@ def fit(job):
 job = hvd.elastic.TorchState(net, opt, sampler=sampler, epoch=0, batch=0, seen=0)
 job.register_reset_callbacks([rescale_lr])
 last_loss = fit(job)
+if hvd.rank() == 0 and opts.save_model:
+    torch.save(net.state_dict(), opts.save_model)
 if hvd.rank() == 0 and opts.summary:
     with open(opts.summary, "w") as out:
         json.dump({"size": hvd.size(), "sizes_after_reset": sizes_after_reset, "epochs": job.epoch,

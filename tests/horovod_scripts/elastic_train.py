@@ -25,6 +25,7 @@ parser.add_argument("--samples", type=int, default=512)
 parser.add_argument("--sleep", type=float, default=0.0, help="seconds per batch (to leave room for a kill)")
 parser.add_argument("--progress", help="append one JSON line per batch here (rank 0)")
 parser.add_argument("--results", help="write the final state here as JSON (rank 0)")
+parser.add_argument("--save-model", help="save the final model's state_dict here (rank 0)")
 args = parser.parse_args()
 
 hvd.init()
@@ -72,6 +73,8 @@ final_loss = train(state)
 if hvd.rank() == 0:
     print(f"done: {state.epoch} epochs, {state.trained} batches trained since the last restart's commit, "
           f"loss {final_loss:.4f}", flush=True)
+    if args.save_model:
+        torch.save(model.state_dict(), args.save_model)
     if args.results:
         with open(args.results, "w") as handle:
             json.dump({"epochs": state.epoch, "trained": state.trained, "loss": final_loss}, handle)

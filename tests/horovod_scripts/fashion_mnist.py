@@ -32,6 +32,7 @@ parser.add_argument("--use-amp", action="store_true", help="mixed precision (bfl
 parser.add_argument("--data-dir", default=os.environ.get("FASHION_MNIST_DIR", "/usr/share/datasets/fashion-mnist"))
 parser.add_argument("--train-samples", type=int, default=0, help="use only the first N training samples (0: all)")
 parser.add_argument("--results", help="write the final test metrics here as JSON (rank 0)")
+parser.add_argument("--save-model", help="save the final model's state_dict here (rank 0)")
 
 
 def read_idx(path):
@@ -129,6 +130,8 @@ def main():
     test_loss = metric_average(test_loss / len(test_sampler), "avg_loss")
     test_accuracy = metric_average(test_correct / len(test_sampler), "avg_accuracy")
     if hvd.rank() == 0:
+        if args.save_model:
+            torch.save(model.state_dict(), args.save_model)
         print(f"\nTest set: Average loss: {test_loss:.4f}, Accuracy: {100.0 * test_accuracy:.2f}%\n", flush=True)
         if args.results:
             with open(args.results, "w") as handle:

@@ -25,6 +25,8 @@ parser.add_argument("--num-batches-per-iter", type=int, default=5, help="number 
 parser.add_argument("--num-iters", type=int, default=5, help="number of benchmark iterations")
 parser.add_argument("--use-adasum", action="store_true", default=False, help="use adasum algorithm")
 parser.add_argument("--results", help="write img/sec per worker (mean and every iteration) here as JSON (rank 0)")
+parser.add_argument("--seed", type=int, default=42, help="random seed (model and data)")
+parser.add_argument("--save-model", help="save the final model's state_dict here (rank 0)")
 
 
 def convnet():
@@ -38,6 +40,7 @@ def convnet():
 def main():
     args = parser.parse_args()
     hvd.init()
+    torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     if args.model == "convnet":
         model = convnet()
@@ -82,6 +85,8 @@ def main():
     img_sec_conf = 1.96 * np.std(img_secs)
     log(f"Img/sec per GPU: {img_sec_mean:.1f} +-{img_sec_conf:.1f}")
     log(f"Total img/sec on {hvd.size()} GPU(s): {hvd.size() * img_sec_mean:.1f} +-{hvd.size() * img_sec_conf:.1f}")
+    if args.save_model and hvd.rank() == 0:
+        torch.save(model.state_dict(), args.save_model)
     if args.results and hvd.rank() == 0:
         with open(args.results, "w") as handle:
             json.dump({"img_sec_per_worker": float(img_sec_mean), "iterations": img_secs, "size": hvd.size()}, handle)

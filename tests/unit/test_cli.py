@@ -42,7 +42,7 @@ def test_help_lists_commands(capsys: pytest.CaptureFixture[str]) -> None:
     (("run", str(DEMO), "--set", "optimizations.mixed_precision=O3"), "`optimizations.mixed_precision` = 'O3'"),
     (("run", str(DEMO), "--set", "entrypoint=model_def:Nope"), "has no attribute `Nope`"),
     (("run", str(DEMO), "--bogus"), "unrecognized arguments: --bogus"),
-    (("run", str(DEMO), "--nnodes", "two"), "invalid int value: 'two'"),
+    (("run", str(DEMO), "--nnodes", "two"), "--nnodes 'two': give a number of nodes N or a range MIN:MAX"),
     (("experiments", "show", "7"), "no run store"),
     (("frobnicate",), "invalid choice: 'frobnicate'"),
 ])

@@ -63,7 +63,7 @@ def test_a_kill_fires_once_per_run_dir(tmp_path: Path, monkeypatch: pytest.Monke
     assert killed == [(os.getpid(), signal.SIGKILL)]
     [fired] = faults.read_fault_records(record)
     assert fired | {"time": 0} == {"event": "kill", "index": 0, "rank": 1, "batch": 3, "during": "step",
-                                   "steps_done": 2, "restart": 0, "time": 0}
+                                   "steps_done": 2, "restart": 0, "time": 0, "thread": "MainThread"}
     restarted = FaultInjector(planned, rank=1, record_path=record, restart_count=1)
     restarted.before_step(3)  # the restarted rank passes batch 3 again: the kill is not repeated
     assert len(killed) == 1

@@ -88,3 +88,42 @@ def test_only_broken_connections_count_as_a_lost_peer() -> None:
     assert is_collective_failure(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
     assert not is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x6 and 5x2)"))
     assert not is_collective_failure(ValueError("Connection reset"))
+
+
+def test_a_worker_joins_the_newest_generation_that_lists_it_and_leaves_when_left_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's side of the driver's announcements, in this process (a job of one): the rank table of the
+    newest generation gives rank and size; a generation without this worker removes it."""
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from dtrain.horovod import membership
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    monkeypatch.setenv(membership.STORE_VAR, f"127.0.0.1:{store.port}")
+    monkeypatch.setenv(membership.WORKER_VAR, "w7")
+    monkeypatch.setenv(membership.TIMEOUT_VAR, "20")
+    for name in ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)  # join sets them; restored after the test
+    monkeypatch.setattr(membership, "_STORE", [])
+    monkeypatch.setattr(membership, "CURRENT", [])
+    assert membership.latest_generation() == -1
+    store.set("gen/0/ranks", json.dumps({"w3": 0}))
+    store.set("gen/1/ranks", json.dumps({"w7": 0}))
+    store.set(membership.GENERATION_KEY, "1")
+    try:
+        joined = membership.join(after=-1, collective_timeout=20)
+        assert (joined.generation, joined.rank, joined.size) == (1, 0, 1)
+        assert membership.current_generation() == 1 and dist.get_world_size() == 1
+        assert store.get("joined/w7") == b"1"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    store.set("gen/2/ranks", json.dumps({"w3": 0}))
+    store.set(membership.GENERATION_KEY, "2")
+    with pytest.raises(membership.RemovedFromJob, match="w7 is not in generation 2"):
+        membership.join(after=1, collective_timeout=20)

@@ -59,3 +59,26 @@ def test_a_strategy_whose_trajectory_depends_on_the_worker_count_refuses_another
         resumed_split(local, 3, state([8, 8], 2))
     assert resumed_split(config("resources.slots_per_trial=2", "distributed.strategy=local_sgd"), 2,
                          state([8, 8], 2)).per_rank == (8, 8)
+
+
+def test_a_batch_above_max_per_slot_batch_is_trained_in_near_equal_passes_in_the_global_order() -> None:
+    """`optimizations.max_per_slot_batch`: 16 records with at most 8 per pass are 2 passes of 8, 15 are 8 and 7; the
+    parts are this rank's records of the batch in order, so the update's records are the same."""
+    from dtrain.data.sharding import ShardedBatchSampler, pass_sizes, split_by_sizes
+    from dtrain.optim.batch_schedule import BatchPhase
+    from dtrain.train.batches import BatchSizes
+
+    assert pass_sizes(16, 2) == (8, 8) and pass_sizes(15, 2) == (8, 7) and pass_sizes(5, 1) == (5,)
+    sizes = BatchSizes(split_by_sizes([15, 1]), rank=0, world_size=2, average_aggregated=True, max_per_pass=8)
+    sizes.enter(BatchPhase(0, 1, 16, 1, 0, 0, 0))
+    assert sizes.pass_records == (8, 7)
+    whole = list(ShardedBatchSampler(64, split_by_sizes([15, 1]), 0, seed=3, epoch=0))
+    parts = list(ShardedBatchSampler(64, split_by_sizes([15, 1]), 0, seed=3, epoch=0, passes=2))
+    assert len(parts) == 2 * len(whole) and [len(p) for p in parts[:2]] == [8, 7]
+    assert [parts[2 * i] + parts[2 * i + 1] for i in range(len(whole))] == whole
+
+
+def test_max_per_slot_batch_with_a_pipeline_is_one_line() -> None:
+    with pytest.raises(ConfigError, match="optimizations.max_per_slot_batch with strategy pipeline: raise "
+                       "distributed.pipeline.microbatches instead"):
+        config("resources.slots_per_trial=2", "distributed.strategy=pipeline", "optimizations.max_per_slot_batch=4")

@@ -4,12 +4,14 @@ its last checkpoint), and results.json numbers brackets from 1, as the terminal 
 from __future__ import annotations
 
 import json
+import uuid
 from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from dtrain.search.progress import SearchProgress, best_checkpoint_of
+from dtrain.runs.storage import CheckpointStore
+from dtrain.search.progress import SearchProgress, best_checkpoint_of, has_checkpoint
 from dtrain.search.results import trial_records
 from dtrain.search.spec import parse_searcher
 
@@ -60,3 +62,20 @@ def test_results_json_numbers_brackets_as_the_terminal_does(tmp_path: Path) -> N
     spec = parse_searcher({"name": "random", "max_trials": 1, "max_length": 88, "metric": "accuracy",
                            "smaller_is_better": False})
     assert "[bracket 1]" in SearchProgress(spec, 1).final_table([_trial(0)], tmp_path)
+
+
+def test_a_trial_whose_checkpoints_are_in_object_storage_is_resumed_not_started(tmp_path: Path) -> None:
+    """The search says "resumed from its checkpoint" when the trial's storage (here fsspec's in-memory object store,
+    as run.json records it) names a latest checkpoint, though the run dir has no `checkpoints/` of its own."""
+    store = CheckpointStore(url=f"memory://dtrain-search-{uuid.uuid4().hex[:8]}/trial")
+    run_dir = tmp_path / "trial-0"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text(json.dumps({"checkpoints": store.to_json()}))
+    assert not has_checkpoint(run_dir)  # the trial ran, but no checkpoint is complete yet
+    store.write_bytes("latest", b"step-10\n")
+    assert has_checkpoint(run_dir) and not (run_dir / "checkpoints").exists()
+    own = tmp_path / "trial-1"
+    (own / "checkpoints").mkdir(parents=True)
+    assert not has_checkpoint(own)  # a folder without `latest` holds nothing to resume from
+    (own / "checkpoints" / "latest").write_text("step-5\n")
+    assert has_checkpoint(own) and not has_checkpoint(tmp_path / "trial-2")
