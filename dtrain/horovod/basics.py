@@ -99,6 +99,8 @@ class _State:
 
 STATE = _State()
 _AT_EXIT: list[bool] = []
+_INITS: list[bool] = []  # one entry per gloo group this process made through MASTER_PORT
+_STORES: dict[tuple[str, str, int, int], dist.Store] = {}  # (address, port, rank, size) -> the store, kept
 
 
 def _env_int(*names: str, default: int) -> int:
@@ -139,7 +141,7 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
                 os.environ.setdefault("MASTER_PORT", os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"])
             if "HOROVOD_GLOO_IFACE" in os.environ:
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", os.environ["HOROVOD_GLOO_IFACE"])
-            dist.init_process_group("gloo", rank=me, world_size=world, timeout=timeout)
+            _init_gloo_group(me, world, timeout)
         STATE.owns_group = True
     STATE.rank, STATE.size = dist.get_rank(), dist.get_world_size()
     if mpi_process is not None and STATE.size == mpi_process.size:
@@ -194,6 +196,23 @@ def reform() -> None:
         process_set.process_set_id, process_set.group = None, None
     STATE.initialized = False
     init()
+
+
+def _init_gloo_group(me: int, world: int, timeout: timedelta) -> None:
+    """The gloo process group from MASTER_ADDR/MASTER_PORT, on a store this process keeps for every later init,
+    with keys under a prefix new to each init.
+
+    After shutdown() a quicker rank re-inits while a slower one still holds the last group: with a store made per
+    init it finds rank 0's old store still serving, reads the last group's keys and pairs with sockets about to
+    close, and rank 0's next store then waits for a client that never comes. One store per process (rank 0's server
+    lives as long as the process) and a fresh prefix per init (every rank counts its inits alike: init and shutdown
+    run on every rank, as in Horovod) leave no stale key to read."""
+    where = (os.environ["MASTER_ADDR"], os.environ.get("MASTER_PORT", ""), me, world)
+    if where not in _STORES:
+        _STORES[where] = next(dist.rendezvous("env://", rank=me, world_size=world, timeout=timeout))[0]
+    _INITS.append(True)
+    prefixed = dist.PrefixStore(f"dtrain-horovod-init-{len(_INITS)}", _STORES[where])
+    dist.init_process_group("gloo", store=prefixed, rank=me, world_size=world, timeout=timeout)
 
 
 def shutdown() -> None:
