@@ -98,9 +98,10 @@ def _bucket_name(bucket: str) -> str:
 class ObjectStorage(StorageSection):
     """What every object-storage type has: whether checkpoints upload in the background."""
 
-    background_upload: bool = Field(default=True, description="upload each checkpoint on a background thread while "
-                                    "training goes on (a snapshot in host memory is taken first; at most one upload "
-                                    "in flight, a kill loses only that one); false: training waits for each upload")
+    background_upload: bool = Field(default=False, description="upload each checkpoint on a background thread "
+                                    "while training goes on (a snapshot in host memory is taken first; at most one "
+                                    "upload in flight, a kill loses only that one); false: training waits for each "
+                                    "upload (the default: on shared CPUs the background upload measured slower)")
 
 
 class S3Storage(ObjectStorage):

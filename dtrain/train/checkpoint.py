@@ -14,8 +14,9 @@ plain one); DCP's `.metadata`, written last, marks the shards complete.
 `.partial-*` folder renamed into place; on object storage (no rename) the files are uploaded in place with
 `meta.json` last and an older `meta.json` of the same step deleted first, so a kill in the middle of an upload
 never leaves a checkpoint that a resume would take. Deleting one removes its `meta.json` first for the same reason.
-On object storage rank 0 runs a plain checkpoint's write on a background thread by default (dtrain.train.upload,
-`Checkpointer`): the same sequence, from a snapshot in host memory, with `latest` and deletions after the commit.
+With `checkpoint_storage.background_upload` rank 0 runs a plain checkpoint's write on a background thread
+(dtrain.train.upload, `Checkpointer`): the same sequence, from a snapshot in host memory, with `latest` and
+deletions after the commit.
 """
 
 from __future__ import annotations

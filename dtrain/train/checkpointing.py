@@ -77,8 +77,8 @@ def read_checkpoint(root: CheckpointStore, topology: Topology) -> Checkpoint | N
 
 
 def uploads_in_background(section: StorageSection, root: CheckpointStore) -> bool:
-    """Whether rank 0 uploads plain checkpoints in the background: on object storage unless
-    `checkpoint_storage.background_upload` is false; a local folder is written before training goes on."""
+    """Whether rank 0 uploads plain checkpoints in the background: on object storage with
+    `checkpoint_storage.background_upload: true`; a local folder is written before training goes on."""
     return isinstance(section, ObjectStorage) and section.background_upload and not root.is_local
 
 
@@ -178,7 +178,7 @@ class CheckpointPolicy:
 
 class Checkpointer:
     """Writes the run's checkpoints (all ranks call `write` together) and remembers the latest complete one. With
-    `background` (object storage's default, `checkpoint_storage.background_upload`), rank 0 hands a plain
+    `background` (object storage with `checkpoint_storage.background_upload`), rank 0 hands a plain
     checkpoint to a background upload (dtrain.train.upload) and training goes on; a sharded one (FSDP, pipeline)
     is written by every rank before training goes on, as on local storage."""
 
