@@ -124,4 +124,8 @@ def horovodrun(args: argparse.Namespace) -> int:
         from dtrain.horovod.mpi_launch import launch_mpi
 
         return launch_mpi(run)
+    if run.elastic:  # Horovod Elastic: the job follows its members (elastic_driver.py), not torchrun's restarts
+        from dtrain.horovod.elastic_driver import launch_elastic
+
+        return launch_elastic(run, run.host_discovery_script)
     return launch(run)

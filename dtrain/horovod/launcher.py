@@ -163,16 +163,14 @@ def discover_hosts(script: str) -> list[tuple[str, int]]:
 
 
 def launch(run: HorovodRun) -> int:
-    """Run the command on every slot through torchrun's agent; the exit code of the job."""
+    """Run the command on every slot through torchrun's agent; the exit code of the job. (An elastic run,
+    `run.elastic`, goes to `elastic_driver.launch_elastic` instead: the job follows its members, not torchrun's
+    restarts.)"""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from dtrain.launch import _loopback_rendezvous, _quiet_torch_elastic_loggers
 
-    if run.elastic:  # Horovod Elastic: the job follows its members (elastic_driver.py), not torchrun's restarts
-        from dtrain.horovod.elastic_driver import launch_elastic
-
-        return launch_elastic(run, run.host_discovery_script)
     nodes, nproc, node_rank, master = layout(run)
     keep_alive: list[object] = []
     rdzv_configs: dict[str, object]
