@@ -19,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed import HashStore
 
@@ -26,6 +27,10 @@ from dtrain.horovod import membership, mpi
 
 Average, Sum, Adasum, Min, Max, Product = 1, 0, 2, 3, 4, 5
 OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
+# fp16, bf16 and int16 are reduced in a wider type (gloo lacks them; fp16/bf16 in fp32, as Horovod does on CPU)
+REDUCE_WIRE = {torch.int16: torch.int64, torch.float16: torch.float32, torch.bfloat16: torch.float32}
+TORCH_OPS = {Sum: dist.ReduceOp.SUM, Average: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN, Max: dist.ReduceOp.MAX,
+             Product: dist.ReduceOp.PRODUCT}
 NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
 IGNORED_KNOBS = {
     "HOROVOD_AUTOTUNE": "fusion is per dtype up to HOROVOD_FUSION_THRESHOLD; nothing is tuned at run time",
@@ -98,6 +103,30 @@ class _State:
 
 
 STATE = _State()
+
+
+class JobListener:
+    """What a module above this one does as the job starts, stops, resets (elastic) or changes its process sets:
+    the negotiation (`negotiation.py`) and the pending operations (`ops.py`) register one each in `LISTENERS` when
+    imported, so that this module, below them, calls them without importing them."""
+
+    def started(self) -> None:
+        """After `init()` set the ranks and the global process set, before the process sets it was given."""
+
+    def stopping(self) -> None:
+        """At `shutdown()`, before the process group is destroyed."""
+
+    def reset(self) -> None:
+        """Elastic `reform()`: the process group is about to go; drop what ran on it."""
+
+    def set_added(self, set_id: int, ranks: list[int]) -> None:
+        """A process set was registered (on every rank, in the same order)."""
+
+    def set_removed(self, set_id: int, member: bool) -> None:
+        """A process set was removed; `member`: this rank was in it."""
+
+
+LISTENERS: list[JobListener] = []
 _AT_EXIT: list[bool] = []
 _INITS: list[bool] = []  # one entry per gloo group this process made through MASTER_PORT
 _STORES: dict[tuple[str, str, int, int], dist.Store] = {}  # (address, port, rank, size) -> the store, kept
@@ -161,9 +190,8 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
     global_process_set.group = None
     STATE.sets = {0: global_process_set}
     STATE.next_set_id = 1
-    from dtrain.horovod.negotiation import COORDINATOR, Coordinator
-
-    COORDINATOR[0] = Coordinator(STATE.rank, STATE.size, float(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "300")))
+    for listener in LISTENERS:
+        listener.started()
     if isinstance(process_sets, list):
         for process_set in process_sets:
             add_process_set(process_set)
@@ -186,9 +214,8 @@ def reform() -> None:
     and `size()` answer for the new job (what Horovod's reset does with shutdown and init). Process sets other than
     the global one are dropped, as Horovod drops them on a reset."""
     if STATE.initialized:
-        from dtrain.horovod import ops
-
-        ops.forget_pending()
+        for listener in LISTENERS:
+            listener.reset()
     if dist.is_initialized():
         dist.destroy_process_group()  # closes this rank's connections, so peers blocked on it fail too
     sets = {key: value for key, value in STATE.sets.items() if key != 0}
@@ -220,11 +247,8 @@ def shutdown() -> None:
     if not STATE.initialized:
         return
     stop_timeline()
-    from dtrain.horovod.negotiation import COORDINATOR
-
-    coordinator, COORDINATOR[0] = COORDINATOR[0], None
-    if coordinator is not None:
-        coordinator.stop(wait_seconds=float(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "300")))
+    for listener in LISTENERS:
+        listener.stopping()
     if STATE.owns_group and dist.is_initialized():
         dist.destroy_process_group()
     for process_set in STATE.sets.values():
@@ -333,10 +357,8 @@ def add_process_set(process_set: ProcessSet | list[int]) -> ProcessSet:
         raise ValueError(f"a process set with ranks {process_set.ranks} is already registered")
     process_set.group = dist.new_group(process_set.ranks)
     process_set.process_set_id = STATE.next_set_id
-    from dtrain.horovod.negotiation import COORDINATOR
-
-    if COORDINATOR[0] is not None:
-        COORDINATOR[0].add_set(STATE.next_set_id, process_set.ranks)
+    for listener in LISTENERS:
+        listener.set_added(STATE.next_set_id, process_set.ranks)
     STATE.sets[STATE.next_set_id] = process_set
     STATE.next_set_id += 1
     return process_set
@@ -348,11 +370,8 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     if process_set.process_set_id in (None, 0):
         return False
     STATE.sets.pop(process_set.process_set_id, None)
-    from dtrain.horovod.negotiation import COORDINATOR
-
-    if COORDINATOR[0] is not None:
-        COORDINATOR[0].remove_set(process_set.process_set_id,
-                                  dist.get_rank() in (process_set.ranks or []))
+    for listener in LISTENERS:
+        listener.set_removed(process_set.process_set_id, dist.get_rank() in (process_set.ranks or []))
     if process_set.group is not None and dist.get_rank() in (process_set.ranks or []):
         dist.destroy_process_group(process_set.group)
     process_set.process_set_id, process_set.group = None, None

@@ -39,6 +39,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain.horovod import basics
+from dtrain.horovod.basics import OP_NAMES, REDUCE_WIRE, TORCH_OPS
+
 KINDS = {"ALLREDUCE": 1, "ALLGATHER": 2, "BROADCAST": 3, "ALLTOALL": 4, "REDUCESCATTER": 5, "BARRIER": 6,
          "JOIN": 7, "SHUTDOWN": 8}
 KIND_NAMES = {code: name for name, code in KINDS.items()}
@@ -74,8 +77,6 @@ def describe(row: torch.Tensor) -> str:
     kind = KIND_NAMES.get(int(row[0]), "?")
     dtype = DTYPES[int(row[1])] if int(row[1]) < len(DTYPES) else "unsupported"
     shape = tuple(int(d) for d in row[6:6 + min(int(row[2]), MAX_DIMS)])
-    from dtrain.horovod.basics import OP_NAMES
-
     return f"{kind} of {dtype} {shape}" + (f" op {OP_NAMES.get(int(row[3]), row[3])}" if int(row[0]) in (
         1, 5) else "") + (f" root {int(row[4])}" if int(row[0]) == 3 else "")
 
@@ -502,8 +503,6 @@ class Coordinator:
 
     def _zeros(self, item: Ready, fused: dict[tuple[Any, ...], list[tuple[Ready, Entry | None]]]) -> None:
         row = next(iter(item.rows.values()))
-        from dtrain.horovod.ops import REDUCE_WIRE
-
         dtype = REDUCE_WIRE.get(DTYPES[int(row[1])], DTYPES[int(row[1])])
         op, set_id = int(row[3]), int(row[5])
         zeros = torch.zeros(shape_of(row), dtype=dtype)
@@ -534,8 +533,6 @@ class Coordinator:
             self._reduce_chunk(set_id, op, chunk)
 
     def _reduce_chunk(self, set_id: int, op: int, chunk: list[tuple[Ready, Entry | None, torch.Tensor]]) -> None:
-        from dtrain.horovod.ops import TORCH_OPS
-
         group = self.data_group(set_id)
         started = time.perf_counter()
         flat = chunk[0][2] if len(chunk) == 1 else torch.cat([buffer.reshape(-1) for _, _, buffer in chunk])
@@ -558,8 +555,6 @@ class Coordinator:
             offset += n
 
     def _record(self, entry: Entry, started: float) -> None:
-        from dtrain.horovod import basics
-
         basics.record_span(entry.kind, entry.name, entry.posted_perf, time.perf_counter(), started)
 
     # ---------------------------------------------------------------------------------------- join, stalls, end
@@ -657,3 +652,31 @@ def fusion_key(set_id: int, wire_dtype: torch.dtype, op: int) -> tuple[Any, ...]
 
 
 COORDINATOR: list[Coordinator | None] = [None]
+
+
+class _Negotiation(basics.JobListener):
+    """Starts this rank's coordinator when the job starts, tells it of process sets, stops it at shutdown."""
+
+    def started(self) -> None:
+        COORDINATOR[0] = Coordinator(basics.STATE.rank, basics.STATE.size, basics.gloo_timeout())
+
+    def stopping(self) -> None:
+        coordinator, COORDINATOR[0] = COORDINATOR[0], None
+        if coordinator is not None:
+            coordinator.stop(wait_seconds=basics.gloo_timeout())
+
+    def set_added(self, set_id: int, ranks: list[int]) -> None:
+        if COORDINATOR[0] is not None:
+            COORDINATOR[0].add_set(set_id, ranks)
+
+    def set_removed(self, set_id: int, member: bool) -> None:
+        if COORDINATOR[0] is not None:
+            COORDINATOR[0].remove_set(set_id, member)
+
+
+basics.LISTENERS.append(_Negotiation())
+if basics.STATE.initialized and COORDINATOR[0] is None:  # init() ran before this module was first imported
+    basics.LISTENERS[-1].started()
+    for _set_id, _process_set in basics.STATE.sets.items():
+        if _set_id != 0 and _process_set.ranks is not None:
+            basics.LISTENERS[-1].set_added(_set_id, _process_set.ranks)

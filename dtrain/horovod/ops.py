@@ -20,7 +20,14 @@ import torch
 import torch.distributed as dist
 
 from dtrain.horovod import basics
-from dtrain.horovod.basics import Adasum, Average, Max, Min, ProcessSet, Product, Sum, global_process_set
+from dtrain.horovod.basics import (
+    REDUCE_WIRE,
+    Adasum,
+    Average,
+    ProcessSet,
+    Sum,
+    global_process_set,
+)
 from dtrain.horovod.negotiation import (
     COORDINATOR,
     ROW,
@@ -40,9 +47,6 @@ MOVABLE = REDUCIBLE | {torch.bool}
 # fits) and is reduced in int64 then wrapped to 16 bits, as a sum in int16 would wrap; fp16 and bf16 are reduced
 # in fp32 (as Horovod does on CPU) and move as themselves.
 MOVE_WIRE = {torch.int16: torch.int32}
-REDUCE_WIRE = {torch.int16: torch.int64, torch.float16: torch.float32, torch.bfloat16: torch.float32}
-TORCH_OPS = {Sum: dist.ReduceOp.SUM, Average: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN, Max: dist.ReduceOp.MAX,
-             Product: dist.ReduceOp.PRODUCT}
 
 
 # ------------------------------------------------------------------------------------------- posting
@@ -137,6 +141,16 @@ def forget_pending() -> None:
     coordinator, COORDINATOR[0] = COORDINATOR[0], None
     if coordinator is not None:
         coordinator.abandon()
+
+
+class _PendingOps(basics.JobListener):
+    """Forgets the pending operations when an elastic job re-forms (`basics.reform`)."""
+
+    def reset(self) -> None:
+        forget_pending()
+
+
+basics.LISTENERS.append(_PendingOps())
 
 
 def _submit(name: str, finish: Callable[[], Any], work: Any = None) -> int:
