@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import signal
+import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Any
+from wsgiref.simple_server import WSGIServer, make_server
 
 from dtrain.errors import ConfigError, ExitCode
 
@@ -48,15 +52,45 @@ def run_dashboard(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("optuna_dashboard") is None:
         raise ConfigError("dtrain dashboard needs the optuna-dashboard package, which is not installed; "
                           "pip install 'dtrain[dashboard]' (optuna-dashboard)")
-    from optuna_dashboard import run_server
+    from optuna_dashboard import wsgi
 
-    print(f"dtrain dashboard: {storage} at http://{args.host}:{args.port}/dashboard/ (Ctrl-C to stop)",
-          file=sys.stderr, flush=True)
     try:
-        run_server(storage, host=args.host, port=args.port)
-    except KeyboardInterrupt:
-        return ExitCode.OK
+        server = _server(args.host, args.port, wsgi(storage))
     except OSError as exc:
         raise ConfigError(f"dtrain dashboard cannot listen on {args.host}:{args.port} ({exc.strerror}); give "
                           "another --port") from None
+    print(f"dtrain dashboard: {storage} at http://{args.host}:{args.port}/dashboard/ (Ctrl-C to stop)",
+          file=sys.stderr, flush=True)
+    _serve_until_stopped(server)
     return ExitCode.OK
+
+
+def _server(host: str, port: int, app: Any) -> WSGIServer:
+    """optuna-dashboard's WSGI app on the standard library's WSGI server (what its own `run_server` uses)."""
+    return make_server(host, port, app, server_class=_WSGIServer6 if ":" in host else WSGIServer)
+
+
+class _WSGIServer6(WSGIServer):
+    """The WSGI server on an IPv6 address (`--host ::`)."""
+
+    address_family = socket.AF_INET6
+
+
+def _serve_until_stopped(server: WSGIServer) -> None:
+    """Serve in a thread until Ctrl-C or SIGTERM, then close the socket. The server thread handles the requests
+    and this one only waits for the signal: a Ctrl-C that lands while a request is handled in the main thread is
+    swallowed by wsgiref's error handler (the dashboard's page polls, so that happens), and a process started
+    with SIGINT ignored (a background job of a script) would never see Ctrl-C at all."""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True,
+                              name="dtrain-dashboard")
+    thread.start()
+    try:
+        while not stop.wait(0.2):
+            pass
+    finally:
+        server.shutdown()
+        server.server_close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -64,8 +64,10 @@ def test_dashboard_serves_a_search_dir_s_study(tmp_path: Path) -> None:
         study.add_trial(optuna.trial.create_trial(params={"learning_rate": value / 10}, distributions=rate,
                                                   value=value))
     port = _free_port()
+    # started with SIGINT ignored, as a background job of a script is (CI's shell): Ctrl-C must still stop it
     process = subprocess.Popen([sys.executable, "-m", "dtrain.cli", "dashboard", str(search_dir), "--port", str(port)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         deadline = time.monotonic() + 60
         studies = json.loads(_get(f"http://127.0.0.1:{port}/api/studies", deadline))["study_summaries"]
