@@ -24,7 +24,9 @@ SHIM = Path(__file__).resolve().parent / "shim"
 def real_determined_installed() -> bool:
     """Whether a real `determined` package (not dtrain's shim) is importable by this interpreter."""
     spec = importlib.util.find_spec("determined")
-    return spec is not None and not str(spec.origin or "").startswith(str(SHIM))
+    if spec is None or spec.origin in (None, "namespace"):  # a stray `determined/` folder without __init__.py on
+        return False  # sys.path (benchmarks/determined, when a test puts benchmarks/ there) is no package
+    return not str(spec.origin).startswith(str(SHIM))
 
 
 def install_import_path() -> None:
@@ -32,6 +34,9 @@ def install_import_path() -> None:
     shim goes last on sys.path, so an installed `determined` is found first)."""
     if str(SHIM) not in sys.path and not real_determined_installed():
         sys.path.append(str(SHIM))
+        imported = sys.modules.get("determined")
+        if imported is not None and getattr(imported, "__file__", None) is None:  # a namespace package cached
+            del sys.modules["determined"]  # before the shim was on the path: import the shim instead
 
 
 def pythonpath_with_shim(current: str | None) -> str | None:

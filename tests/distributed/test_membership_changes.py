@@ -17,8 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from nodes import kill_node, latest_step, membership, node_command, wait_for  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "fixtures" / "digits.yaml"
-SETTINGS = ["searcher.max_length.batches=400", "min_checkpoint_period.batches=10", "min_validation_period.batches=100",
-            "max_restarts=5", "distributed.timeout_seconds=60"]
+BATCHES = 1500  # long enough that node 1 starts (torch imports, rendezvous) before node 0 ends, under load too
+SETTINGS = [f"searcher.max_length.batches={BATCHES}", "min_checkpoint_period.batches=10",
+            "min_validation_period.batches=100", "max_restarts=5", "distributed.timeout_seconds=60"]
 
 
 def _free_port() -> int:
@@ -56,10 +57,10 @@ def test_a_node_joins_then_is_lost_and_the_run_completes_alone(tmp_path: Path) -
         ("start", 1, 1), ("node joined", 2, 2), ("node lost", 1, 1)], record
     grown, shrunk = record[1], record[2]
     assert grown["joined"] == shrunk["lost"] and shrunk["nodes"] == record[0]["nodes"]
-    assert 0 < grown["step"] < shrunk["step"] < 400
+    assert 0 < grown["step"] < shrunk["step"] < BATCHES
     assert grown["seconds"] >= 0 and shrunk["seconds"] >= 0
     summary = json.loads((chief_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["steps_completed"] == 400
+    assert summary["status"] == "completed" and summary["steps_completed"] == BATCHES
     assert summary["membership"] == record and summary["world_size"] == 1
     assert f"membership: node joined (+{grown['joined'][0]}); 2 node(s), 2 worker(s) from batch {grown['step']}" \
         in output

@@ -99,3 +99,17 @@ def test_a_search_whose_command_sets_its_own_length_needs_no_max_length() -> Non
     asha_search = {**raw, "searcher": {"name": "adaptive_asha", "metric": "validation_loss", "max_trials": 4}}
     with pytest.raises(ConfigError, match="needs max_time"):  # ASHA's rungs need a length, as in Determined
         preview(asha_search)
+
+
+def test_a_stray_determined_folder_on_the_path_is_not_a_real_determined(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `determined/` folder without __init__.py on sys.path (benchmarks/determined, once a test puts benchmarks/
+    there) is a namespace package, not Determined: the shim must still be installed and imported."""
+    import sys
+
+    from dtrain.determined import real_determined_installed
+
+    (tmp_path / "determined").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "determined", raising=False)
+    assert not real_determined_installed()
