@@ -79,27 +79,23 @@ def horovodrun(test_file: Path, selector: str, out: Path, timeout: float) -> tup
         output, _ = process.communicate(timeout=timeout)
         code: int | None = process.returncode
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGTERM)  # the agent stops its workers (they run in sessions of their own)
+        # the ranks run in sessions of their own: taken by pid before the agent goes, so none is left holding the
+        # pipe open (communicate() would wait for ever)
+        ranks = common.descendants(common.process_parents(), process.pid)
+        os.killpg(process.pid, signal.SIGTERM)  # the agent stops its workers
         try:
             output, _ = process.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
-            _kill_ranks(out)  # orphaned ranks would hold the pipe open: communicate() would wait for ever
+            for pid in ranks:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             output, _ = process.communicate()
         code = None
     (out / "output.log").write_text(output)
     return code, time.monotonic() - start, output
-
-
-def _kill_ranks(out: Path) -> None:
-    """SIGKILL every process whose command line names this run's JUnit folder (the pytest ranks)."""
-    marker = f"--junitxml={out}/".encode()
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and marker in (proc / "cmdline").read_bytes():
-                os.kill(int(proc.name), signal.SIGKILL)
-        except (OSError, ValueError):
-            continue
 
 
 def rank_outcomes(out: Path) -> dict[int, dict[str, tuple[str, str]]]:

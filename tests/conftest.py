@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -27,6 +28,13 @@ def fashion_mnist_available() -> bool:
     from dtrain.data.fashion_mnist import find_data_dir
 
     return find_data_dir() is not None
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now (the kernel's choice)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

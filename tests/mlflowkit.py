@@ -6,20 +6,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+from tests.conftest import free_port
+
 START_SECONDS = 240.0  # `mlflow server` answers /health after ~25 s on an idle 2-core machine; more when busy
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class MlflowServer:

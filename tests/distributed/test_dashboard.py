@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,16 +16,10 @@ from pathlib import Path
 import pytest
 
 from tests.browserkit import CHROMIUM, LAUNCH_ARGS, PLOTLY_TRACES, browser_missing
-from tests.conftest import FIXTURES, subprocess_env
+from tests.conftest import FIXTURES, free_port, subprocess_env
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("optuna_dashboard") is None,
                                 reason="needs optuna-dashboard (pip install -e '.[dev]')")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _get(url: str, deadline: float) -> bytes:
@@ -63,7 +56,7 @@ def test_dashboard_serves_a_search_dir_s_study(tmp_path: Path) -> None:
     for value in (0.5, 0.75, 0.625):
         study.add_trial(optuna.trial.create_trial(params={"learning_rate": value / 10}, distributions=rate,
                                                   value=value))
-    port = _free_port()
+    port = free_port()
     # started with SIGINT ignored, as a background job of a script is (CI's shell): Ctrl-C must still stop it
     process = subprocess.Popen([sys.executable, "-m", "dtrain.cli", "dashboard", str(search_dir), "--port", str(port)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
@@ -114,7 +107,7 @@ def test_a_finished_search_in_the_browser_shows_its_trials_and_their_metric(tmp_
     trials = study.get_trials()
     best = max(trials, key=lambda t: t.value)
 
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "dtrain.cli", "dashboard", str(search_dir), "--port", str(port)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
     try:

@@ -6,12 +6,13 @@ boundary, then every process of node 1 is SIGKILLed and node 0 goes on alone to 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from nodes import kill_node, latest_step, membership, node_command, wait_for  # noqa: E402
@@ -22,15 +23,9 @@ SETTINGS = [f"searcher.max_length.batches={BATCHES}", "min_checkpoint_period.bat
             "min_validation_period.batches=100", "max_restarts=5", "distributed.timeout_seconds=60"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_a_node_joins_then_is_lost_and_the_run_completes_alone(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     chief_dir, other_dir = tmp_path / "node0", tmp_path / "node1"
     chief_out = (tmp_path / "node0.out").open("w")
     chief = subprocess.Popen(node_command(CONFIG, chief_dir, 0, "1:2", "127.0.0.1", port, SETTINGS),

@@ -71,7 +71,7 @@ def test_a_usr1_stop_is_recorded_requeued_and_counted_when_resumed(
     assert requeued == ["7"]
     [record] = read_preemptions(tmp_path)
     assert (record["signal"], record["checkpoint"], record["batches_redone"]) == ("SIGUSR1", "step-1", 0)
-    assert 0 <= record["seconds_to_checkpoint"] < 600
+    assert record["seconds_to_checkpoint"] >= 0  # recorded, not timed (benchmarks/slurm.py times it)
 
     capsys.readouterr()
     resumed = _trainer(tmp_path).fit()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import time
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +18,8 @@ from dtrain.cli import main
 from dtrain.config import Tracking
 from dtrain.errors import ConfigError
 from dtrain.runs.rundir import MLFLOW_RUN_FILE
-from dtrain.train.tracking import check_tracking, flat_params, metric_key, start_tracking
-from tests.conftest import FIXTURES
+from dtrain.train.tracking import RunTracker, check_tracking, flat_params, metric_key, start_tracking
+from tests.conftest import FIXTURES, free_port
 
 needs_mlflow = pytest.mark.skipif(importlib.util.find_spec("mlflow") is None,
                                   reason="needs mlflow (pip install -e '.[mlflow]'; make setup installs it)")
@@ -111,18 +111,29 @@ def test_a_run_s_params_metrics_checkpoints_and_end_reach_mlflow_and_a_resume_co
 
 
 @needs_mlflow
-def test_a_server_that_cannot_be_reached_costs_one_warning_and_no_error(tmp_path: Path,
-                                                                        caplog: pytest.LogCaptureFixture) -> None:
-    from tests.mlflowkit import free_port
-
+def test_a_server_that_cannot_be_reached_costs_one_warning_and_no_error(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     caplog.set_level(logging.WARNING, logger="dtrain")
+    # the sender is held inside its first job (opening the run) until the training thread has queued its metrics:
+    # had metrics() waited for the sender, the hold would only end at its safety limit, and the test fails on that
+    held, release, held_to_the_limit = threading.Event(), threading.Event(), threading.Event()
+    opening = RunTracker._open
+
+    def open_when_released(self: RunTracker) -> None:
+        held.set()
+        if not release.wait(120):
+            held_to_the_limit.set()
+        opening(self)
+
+    monkeypatch.setattr(RunTracker, "_open", open_when_released)
     tracker = _tracker(tmp_path, f"http://127.0.0.1:{free_port()}", run_dir)  # nothing listens there
-    started = time.monotonic()
+    assert held.wait(120)
     for step in range(1, 6):
         tracker.metrics("train", [(step, 0.0, 0.0, {"loss": 1.0 / step})])  # queued: never waits for the server
-    assert time.monotonic() - started < 1.0
+    assert not held_to_the_limit.is_set()
+    release.set()
     tracker.end("completed")
     tracker.close(wait=120)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
