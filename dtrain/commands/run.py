@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dtrain.errors import ConfigError, ExitCode
+from dtrain.errors import ConfigError, ExitCode, LaunchError
 
 DESCRIPTION = ("Train the experiment a YAML file describes, with one worker process per slot "
                f"(resources.slots_per_trial). Exit code {ExitCode.OK} only when training finished; {ExitCode.FAILED} "
@@ -83,7 +83,7 @@ def run_experiment(args: argparse.Namespace) -> int:
     from dtrain.train.resize import check_resume
     from dtrain.train.tracking import check_tracking
 
-    _parse_node_range(args)
+    _parse_node_range(args, os.environ)
     raw = raw_config(args.config, args.overrides)
     if is_search(raw):
         return _run_search(args)
@@ -156,12 +156,21 @@ def run_experiment(args: argparse.Namespace) -> int:
     return ExitCode.OK if summary.get("status") == "completed" else ExitCode.STOPPED
 
 
-def _parse_node_range(args: argparse.Namespace) -> None:
+def _parse_node_range(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
     """`--nnodes N` or `MIN:MAX` into `args.nnodes` (N or MAX) and `args.min_nodes` (MIN, or None); a bad value is
-    one line before anything starts."""
+    one line before anything starts. Without --nnodes, an elastic PyTorchJob's `PET_NNODES=MIN:MAX` (MIN < MAX) is
+    the range, as if given on the command line."""
     from dtrain.launch import parse_nnodes
 
     args.min_nodes = None
+    pet_nnodes = environ.get("PET_NNODES", "")
+    low, colon, high = pet_nnodes.partition(":")
+    if args.nnodes is None and colon and low.strip() != high.strip():
+        try:
+            args.nnodes, args.min_nodes = parse_nnodes(pet_nnodes)
+        except LaunchError as error:
+            raise ConfigError(f"environment variable PET_NNODES={pet_nnodes!r} (an elastic PyTorchJob's "
+                              f"minReplicas:maxReplicas) read as --nnodes: {error}") from None
     if isinstance(args.nnodes, str):
         args.nnodes, args.min_nodes = parse_nnodes(args.nnodes)
 
@@ -223,13 +232,10 @@ V1_MASTER_VARIABLES = {"PET_MASTER_ADDR": "MASTER_ADDR", "PET_MASTER_PORT": "MAS
 
 
 def _pet_nnodes(raw: str) -> str:
-    """PET_NNODES as one number: an elastic PyTorchJob's MIN:MAX when MIN equals MAX (dtrain runs a fixed number of
-    nodes), else one line naming the fix."""
+    """PET_NNODES as one number: an elastic PyTorchJob's MIN:MAX gives MAX (the range itself is read by
+    `_parse_node_range`, before the config is loaded, as `--nnodes MIN:MAX`)."""
     low, _, high = raw.partition(":")
-    if high and low != high:
-        raise ConfigError(f"environment variable PET_NNODES={raw!r} (an elastic PyTorchJob's minReplicas:maxReplicas): "
-                          "dtrain runs a fixed number of nodes; set elasticPolicy.minReplicas and maxReplicas equal")
-    return low
+    return high or low
 
 
 def _node_options_from_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> None:

@@ -19,7 +19,7 @@ import yaml
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
-from dtrain.commands.run import _node_options_from_environment
+from dtrain.commands.run import _node_options_from_environment, _parse_node_range
 from dtrain.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -149,5 +149,32 @@ def test_dtrain_run_reads_the_v1_and_the_elastic_environment() -> None:
     _node_options_from_environment(options, {"PET_NNODES": "2:2", "PET_NODE_RANK": "1", "PET_RDZV_BACKEND": "c10d",
                                              "PET_RDZV_ENDPOINT": "job-worker-0:23456"})
     assert (options.nnodes, options.rdzv_endpoint) == (2, "job-worker-0:23456")
-    with pytest.raises(ConfigError, match="PET_NNODES='1:3' .* set elasticPolicy.minReplicas and maxReplicas equal"):
-        _node_options_from_environment(_Options(), {"PET_NNODES": "1:3"})
+
+
+
+class _RangeOptions:
+    nnodes: Any = None
+    min_nodes: Any = None
+
+
+def test_an_elastic_pytorchjob_runs_as_nnodes_min_max() -> None:
+    """minReplicas < maxReplicas gives PET_NNODES=MIN:MAX: the same job as `dtrain run --nnodes MIN:MAX`, a node
+    lost or joining changes its size (docs/clusters.md "Elastic membership"); the command line still wins."""
+    environment = {"PET_NNODES": "1:3", "PET_NODE_RANK": "1", "PET_RDZV_BACKEND": "c10d",
+                   "PET_RDZV_ENDPOINT": "job-worker-0:23456"}
+    options: Any = _RangeOptions()
+    _parse_node_range(options, environment)
+    assert (options.nnodes, options.min_nodes) == (3, 1)
+    full: Any = _Options()
+    full.nnodes = options.nnodes
+    _node_options_from_environment(full, environment)
+    assert (full.nnodes, full.node_rank, full.rdzv_endpoint) == (3, 1, "job-worker-0:23456")
+    given: Any = _RangeOptions()
+    given.nnodes = "2"
+    _parse_node_range(given, environment)
+    assert (given.nnodes, given.min_nodes) == (2, None)
+    fixed: Any = _RangeOptions()
+    _parse_node_range(fixed, {"PET_NNODES": "2:2"})
+    assert (fixed.nnodes, fixed.min_nodes) == (None, None)  # a fixed size, read with the other variables
+    with pytest.raises(ConfigError, match=r"PET_NNODES='0:2' .* MIN must be >= 1"):
+        _parse_node_range(_RangeOptions(), {"PET_NNODES": "0:2"})
