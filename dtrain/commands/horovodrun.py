@@ -16,6 +16,7 @@ EXAMPLES = """examples:
   dtrain horovodrun --min-np 2 --max-np 4 --host-discovery-script ./hosts.sh python elastic_train.py
   dtrain horovodrun -np 4 -H a:2,b:2 --node-rank 0 python train.py         # on host a; --node-rank 1 on b
   dtrain horovodrun --mpi -np 2 python train.py                            # started by mpirun instead
+  dtrain horovodrun --mpi -np 4 -H a:2,b:2 python train.py                 # on host a: mpirun starts b's too
 """
 
 
@@ -31,7 +32,8 @@ def register(subcommands: Any) -> argparse.ArgumentParser:
     parser.add_argument("-np", "--num-proc", dest="np", type=int, help="number of processes (default: the slots "
                         "of -H, or 1)")
     hosts = parser.add_mutually_exclusive_group()
-    hosts.add_argument("-H", "--hosts", help="host:slots,... (local names run here; other hosts need --node-rank)")
+    hosts.add_argument("-H", "--hosts", help="host:slots,... (local names run here; other hosts need "
+                       "--node-rank, or --mpi: mpirun starts them)")
     hosts.add_argument("-hostfile", "--hostfile", help="a file with one `host slots=N` or `host:N` per line")
     hosts.add_argument("--host-discovery-script", help="elastic: an executable printing host:slots lines (this "
                        "host's names only), run every second: more slots grow the job at its next commit")

@@ -23,7 +23,7 @@ needs_mpirun = pytest.mark.skipif(MPIRUN is None, reason="mpirun is not installe
                                   "openmpi-bin as root; or install Open MPI or MPICH)")
 
 
-def _script_args(name: str) -> list[str]:
+def script_args(name: str) -> list[str]:
     if name == "synthetic_benchmark.py":
         return ["--num-iters", "2", "--num-batches-per-iter", "1", "--num-warmup-batches", "1", "--batch-size", "4",
                 "--image-size", "16"]
@@ -58,7 +58,7 @@ def _final_weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)
 
 
-def _assert_same_weights(first: Path, second: Path) -> None:
+def assert_same_weights(first: Path, second: Path) -> None:
     a, b = _final_weights(first), _final_weights(second)
     assert list(a) == list(b)
     different = [name for name in a if not torch.equal(a[name], b[name])]
@@ -68,7 +68,7 @@ def _assert_same_weights(first: Path, second: Path) -> None:
 def _under_horovodrun_and_mpirun(script: str, tmp_path: Path) -> list[str]:
     """Run the script under `dtrain horovodrun -np 2` and under the user's own mpirun, check the final weights are
     the same, return the script's arguments."""
-    args = [str(SCRIPTS / script), *_script_args(script)]
+    args = [str(SCRIPTS / script), *script_args(script)]
     _run([*HOROVODRUN, "-np", "2", "python", *args, "--save-model", str(tmp_path / "horovodrun.pt")], tmp_path)
     # the user's own mpirun: only the shim on PYTHONPATH (what `dtrain horovodrun --shim-path` prints), the
     # interpreter found by PATH as a user's would be, the root permission by Open MPI's variables
@@ -76,7 +76,7 @@ def _under_horovodrun_and_mpirun(script: str, tmp_path: Path) -> list[str]:
     _run([*_mpirun_line(), "python", *args, "--save-model", str(tmp_path / "mpirun.pt")], tmp_path,
          PYTHONPATH=os.pathsep.join([str(SHIM), str(REPO)]), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
          OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    _assert_same_weights(tmp_path / "horovodrun.pt", tmp_path / "mpirun.pt")
+    assert_same_weights(tmp_path / "horovodrun.pt", tmp_path / "mpirun.pt")
     return args
 
 
@@ -88,7 +88,7 @@ def test_synthetic_benchmark_under_mpirun_and_horovodrun_mpi(tmp_path: Path) -> 
     shown = next(line for line in done.stderr.splitlines() if line.startswith("dtrain horovodrun: "))
     assert f"{MPIRUN} -np 2" in shown and ("-x PYTHONPATH" in shown or "-genvlist" in shown)
     assert "Number of GPUs: 2" in done.stdout
-    _assert_same_weights(tmp_path / "horovodrun.pt", tmp_path / "mpi.pt")
+    assert_same_weights(tmp_path / "horovodrun.pt", tmp_path / "mpi.pt")
 
 
 @needs_mpirun
