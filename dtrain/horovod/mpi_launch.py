@@ -75,7 +75,8 @@ def names_this_host(host: str) -> bool:
 def rank_zero_host(hosts: list[tuple[str, int]], flavor: str) -> str:
     """The host of -H on which mpirun starts rank 0 under `--map-by slot`: Open MPI fills its own host first when
     it is listed (Open MPI 4.1 started on host a with `-H b:2,a:2` gives ranks 0 and 1 to a), otherwise the first
-    host; Hydra (MPICH, Intel MPI) follows the list."""
+    host; for Hydra (MPICH, Intel MPI) the first host (it places ranks in the list's order; not run across hosts
+    here)."""
     if flavor == OPEN_MPI:
         here = [name for name, _ in hosts if names_this_host(name)]
         if here:
