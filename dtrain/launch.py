@@ -107,8 +107,8 @@ ELASTIC_RENDEZVOUS: dict[str, object] = {"keep_alive_interval": 2, "keep_alive_m
 
 def check_elastic_range(config: ExperimentConfig, node: NodeSpec) -> None:
     """Under `--nnodes MIN:MAX`: LaunchError (one line) when the job could not go on at some size in the range: a
-    strategy whose trajectory depends on the worker count, or a size whose workers cannot hold the pipeline's
-    stages."""
+    strategy whose trajectory depends on the worker count, a size whose workers cannot hold the pipeline's stages,
+    or one that breaks another of the strategy's rules there (hsdp's shard_size must divide it)."""
     from dtrain.config import model_parallel_size
     from dtrain.sync import strategy_spec
 
@@ -126,6 +126,11 @@ def check_elastic_range(config: ExperimentConfig, node: NodeSpec) -> None:
             raise LaunchError(f"--nnodes {node.nnodes_text}: at {nodes} node(s) the {nodes * per_node} workers cannot "
                               f"hold the pipeline's {stages} stages; give a range whose every size runs a multiple "
                               f"of {stages} workers (slots_per_trial / MAX = {per_node} a node)")
+        try:
+            spec.section(config).check(config.run_shape(nodes * per_node))
+        except ValueError as error:
+            raise LaunchError(f"--nnodes {node.nnodes_text}: at {nodes} node(s) the job runs {nodes * per_node} "
+                              f"workers, and {error}") from None
 
 
 @dataclass(frozen=True)

@@ -164,13 +164,16 @@ class ExperimentConfig(Section):
 
     @model_validator(mode="after")
     def _parallel_layout(self) -> ExperimentConfig:
-        shape = RunShape(world_size=self.resources.world_size,
-                         global_batch_size=self.hyperparameters.get("global_batch_size"),
-                         aggregation_frequency=self.optimizations.aggregation_frequency,
-                         batch_size_schedule=self.large_batch.batch_size_schedule is not None,
-                         passes=self.optimizations.max_per_slot_batch is not None)
-        check_layout(self.optimizations, self.distributed, self.compression, shape)
+        check_layout(self.optimizations, self.distributed, self.compression, self.run_shape())
         return self
+
+    def run_shape(self, world_size: int | None = None) -> RunShape:
+        """What the strategies' rules read from this file, at `world_size` workers (default: slots_per_trial)."""
+        return RunShape(world_size=world_size or self.resources.world_size,
+                        global_batch_size=self.hyperparameters.get("global_batch_size"),
+                        aggregation_frequency=self.optimizations.aggregation_frequency,
+                        batch_size_schedule=self.large_batch.batch_size_schedule is not None,
+                        passes=self.optimizations.max_per_slot_batch is not None)
 
     @property
     def compression(self) -> Compression:

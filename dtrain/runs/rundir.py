@@ -26,9 +26,11 @@ CONFIG_FILE, RUN_FILE, SUMMARY_FILE = "config.yaml", "run.json", "summary.json"
 # Config sections that may change between a run and its resumption.
 RESUMABLE_CHANGES = ("faults", "debug", "max_restarts", "nan_policy", "max_consecutive_nan_skips", "tracking")
 # Keys that may change between a run and its resumption because a resumed run keeps its global batch and cuts it
-# over the new workers (dtrain.train.resize): the world size, the per-worker shares that follow from it, and the
-# passes a slot's batch is trained in (the update stays the whole batch's).
-RESIZE_KEYS = ("resources.slots_per_trial", "distributed.heterogeneous.split", "optimizations.max_per_slot_batch")
+# over the new workers (dtrain.train.resize): the world size, the per-worker shares that follow from it, the
+# passes a slot's batch is trained in (the update stays the whole batch's), and the ranks hsdp shards one replica
+# over (its shard groups must divide the new size; distributed checkpoint reshards on load).
+RESIZE_KEYS = ("resources.slots_per_trial", "distributed.heterogeneous.split", "optimizations.max_per_slot_batch",
+               "distributed.hsdp.shard_size")
 
 
 SEARCH_LINK_FILE = "search-trial.json"  # a search writes it into a trial's run dir before the run starts

@@ -1,7 +1,7 @@
 """Resuming at another world size, refused before any worker starts with one `dtrain: error:` line, every saved file
-left as it was: a size that cannot split the run's global batch, a stage count the new size cannot hold, a strategy
-whose trajectory depends on the worker count, and (at any size) an FSDP checkpoint whose shards lack one rank's
-file."""
+left as it was: a size that cannot split the run's global batch, a stage count or an hsdp shard group the new size
+cannot hold, a strategy whose trajectory depends on the worker count, and (at any size) an FSDP checkpoint whose
+shards lack one rank's file."""
 
 from __future__ import annotations
 
@@ -85,6 +85,19 @@ def test_a_stage_count_the_new_size_cannot_hold(tmp_path: Path, capsys: pytest.C
     before = hashes(run)
     line = refused(["run", str(experiment), "--set", "resources.slots_per_trial=3", "--run-dir", str(run)], capsys)
     assert "distributed.pipeline.stages (2) must divide resources.slots_per_trial (3)" in line
+    assert hashes(run) == before
+
+
+def test_an_hsdp_shard_group_the_new_size_cannot_hold(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      no_launch: None) -> None:
+    """2 replicas x 2 shards cannot resume on 3 slots as they are; the line names the fix (shard_size may change
+    at a resume: tests/distributed/test_resize.py resumes this shape on 1 and 3 slots with it unset)."""
+    raw = {**RAW, "resources": {"slots_per_trial": 4}, "distributed": {"strategy": "hsdp", "hsdp": {"shard_size": 2}}}
+    run, experiment = stopped_run(tmp_path, raw, {"global_batch": 8, "data_replicas": 4, "world_size": 4})
+    before = hashes(run)
+    line = refused(["run", str(experiment), "--set", "resources.slots_per_trial=3", "--run-dir", str(run)], capsys)
+    assert "distributed.hsdp.shard_size (2) must divide resources.slots_per_trial (3)" in line
+    assert "use a divisor of 3, or leave it unset" in line
     assert hashes(run) == before
 
 

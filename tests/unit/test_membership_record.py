@@ -123,6 +123,12 @@ def test_an_elastic_range_checks_slots_strategy_and_stages() -> None:
     piped = {**raw, "distributed": {"strategy": "pipeline", "pipeline": {"stages": 4}}}
     with pytest.raises(LaunchError, match="at 1 node.* the 2 workers cannot hold the pipeline's 4 stages"):
         check_elastic_range(load_config(None, raw=piped).config, node)
+    for fits in ({"strategy": "hierarchical"}, {"strategy": "hsdp"}, {"strategy": "hsdp", "hsdp": {"shard_size": 2}}):
+        check_elastic_range(load_config(None, raw={**raw, "distributed": fits}).config, node)
+    wide = {**raw, "distributed": {"strategy": "hsdp", "hsdp": {"shard_size": 4}}}
+    with pytest.raises(LaunchError, match=r"^--nnodes 1:2: at 1 node\(s\) the job runs 2 workers, and "
+                                          r"distributed.hsdp.shard_size \(4\) must divide"):
+        check_elastic_range(load_config(None, raw=wide).config, node)
 
 
 class _Inner:

@@ -117,6 +117,19 @@ def test_reopening_at_another_world_size_is_allowed_and_every_other_key_still_re
                                     raw=RAW).config, tmp_path / "run", Path.cwd())
 
 
+def test_reopening_hsdp_at_another_size_may_change_its_shard_groups(tmp_path: Path) -> None:
+    """hsdp's shard groups must divide the world size, so a 2 x 2 mesh resumed on 3 slots sets shard_size anew
+    (distributed checkpoint reshards on load); its other settings are still refused."""
+    hsdp = {**RAW, "distributed": {"strategy": "hsdp"}}
+    prepare_run_dir(load_config(None, ["resources.slots_per_trial=4", "distributed.hsdp.shard_size=2"],
+                                raw=hsdp).config, tmp_path / "run", Path.cwd())
+    assert prepare_run_dir(load_config(None, ["resources.slots_per_trial=3"], raw=hsdp).config, tmp_path / "run",
+                           Path.cwd()).resumed
+    with pytest.raises(LaunchError, match=r"different config \(distributed.hsdp.reshard_after_forward: True -> "):
+        prepare_run_dir(load_config(None, ["distributed.hsdp.reshard_after_forward=false"], raw=hsdp).config,
+                        tmp_path / "run", Path.cwd())
+
+
 def test_completed_or_foreign_dirs_are_refused(tmp_path: Path) -> None:
     config = load_config(None, raw=RAW).config
     info = prepare_run_dir(config, tmp_path / "run", Path.cwd())
