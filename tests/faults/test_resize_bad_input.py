@@ -77,27 +77,22 @@ def test_a_size_that_cannot_split_the_global_batch(tmp_path: Path, capsys: pytes
     assert hashes(run) == before
 
 
-def test_a_stage_count_the_new_size_cannot_hold(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                no_launch: None) -> None:
-    raw = {**RAW, "resources": {"slots_per_trial": 4},
-           "distributed": {"strategy": "pipeline", "pipeline": {"stages": 2, "microbatches": 2}}}
-    run, experiment = stopped_run(tmp_path, raw, {"global_batch": 8, "data_replicas": 2, "world_size": 4})
+@pytest.mark.parametrize(("distributed", "expected"), [
+    ({"strategy": "pipeline", "pipeline": {"stages": 2, "microbatches": 2}},
+     ["distributed.pipeline.stages (2) must divide resources.slots_per_trial (3)"]),
+    # shard_size may change at a resume (tests/distributed/test_resize.py resumes a 2 x 2 mesh on 3 slots unset)
+    ({"strategy": "hsdp", "hsdp": {"shard_size": 2}},
+     ["distributed.hsdp.shard_size (2) must divide resources.slots_per_trial (3)", "use a divisor of 3, or leave it"]),
+], ids=["pipeline_stages", "hsdp_shard_groups"])
+def test_a_layout_the_new_size_cannot_hold(distributed: dict[str, Any], expected: list[str], tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str], no_launch: None) -> None:
+    """4 slots as 2 stages x 2 replicas, or as 2 replicas x 2 shards, cannot resume on 3 slots as they are."""
+    raw = {**RAW, "resources": {"slots_per_trial": 4}, "distributed": distributed}
+    replicas = 2 if distributed["strategy"] == "pipeline" else 4
+    run, experiment = stopped_run(tmp_path, raw, {"global_batch": 8, "data_replicas": replicas, "world_size": 4})
     before = hashes(run)
     line = refused(["run", str(experiment), "--set", "resources.slots_per_trial=3", "--run-dir", str(run)], capsys)
-    assert "distributed.pipeline.stages (2) must divide resources.slots_per_trial (3)" in line
-    assert hashes(run) == before
-
-
-def test_an_hsdp_shard_group_the_new_size_cannot_hold(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                      no_launch: None) -> None:
-    """2 replicas x 2 shards cannot resume on 3 slots as they are; the line names the fix (shard_size may change
-    at a resume: tests/distributed/test_resize.py resumes this shape on 1 and 3 slots with it unset)."""
-    raw = {**RAW, "resources": {"slots_per_trial": 4}, "distributed": {"strategy": "hsdp", "hsdp": {"shard_size": 2}}}
-    run, experiment = stopped_run(tmp_path, raw, {"global_batch": 8, "data_replicas": 4, "world_size": 4})
-    before = hashes(run)
-    line = refused(["run", str(experiment), "--set", "resources.slots_per_trial=3", "--run-dir", str(run)], capsys)
-    assert "distributed.hsdp.shard_size (2) must divide resources.slots_per_trial (3)" in line
-    assert "use a divisor of 3, or leave it unset" in line
+    assert all(part in line for part in expected), line
     assert hashes(run) == before
 
 
