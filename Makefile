@@ -107,6 +107,7 @@ bench: setup
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/fail_fast.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/diagnose_check.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/chaos.py
+	flock /tmp/dtrain-bench.lock $(PY) benchmarks/chaos.py --mode membership
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/clusters.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/slurm.py
 	flock /tmp/dtrain-bench.lock $(PY) benchmarks/hsdp_cluster.py

@@ -22,6 +22,7 @@ checkpoint the restart resumed from, summed), plus the wall-time cost per kill.
     python benchmarks/chaos.py            # 3 rounds of 20 outside kills, 600 batches: about 20-30 minutes on 2 cores
     python benchmarks/chaos.py --quick    # 1 round, 4 kills, 150 batches
     python benchmarks/chaos.py --mode membership   # 3 seeds x 10 node losses and joins, float32 and float64
+    python benchmarks/chaos.py --mode membership --quick   # 1 seed, one loss and one join (chaos_membership_quick)
 """
 
 from __future__ import annotations
@@ -168,11 +169,15 @@ def main() -> None:
     parser.add_argument("--results-name", help="membership mode: the results' file name (default "
                         "chaos_membership)")
     parser.add_argument("--seed", type=int, default=8, help="seed of the first round's kill schedule")
-    parser.add_argument("--quick", action="store_true", help="4 kills over 150 batches, a checkpoint every 20")
+    parser.add_argument("--quick", action="store_true", help="4 kills over 150 batches, a checkpoint every 20; "
+                        "membership mode: 1 seed, one loss and one join, in chaos_membership_quick.json")
     args = parser.parse_args()
     if args.mode == "membership":
         import chaos_membership
 
+        if args.quick:  # a short check, not a result
+            args.rounds, args.changes, args.reduced = 1, 2, True
+            args.results_name = args.results_name or "chaos_membership_quick"
         if args.batches == 600:  # the outside mode's default; the membership runs' own: a join's new node starts
             args.batches = 1500  # for ~30 s on 2 busy cores while the job trains on, so 10 changes need ~1200
         chaos_membership.main(args)
