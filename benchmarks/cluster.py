@@ -218,9 +218,11 @@ def remove_network(network: Network) -> None:
 
 @contextmanager
 def emulated_cluster(nodes: int = 2, rate: str | None = "200mbit", *, subnet: str = "10.77.0",
-                     burst: str = "256kbit", latency: str = "50ms") -> Iterator[Cluster]:
-    """Create `nodes` namespaces joined by links capped at `rate`; remove everything on exit."""
-    network = build_network(nodes, rate, subnet=subnet, burst=burst, latency=latency)
+                     burst: str = "256kbit", latency: str = "50ms",
+                     names: Sequence[str] | None = None) -> Iterator[Cluster]:
+    """Create `nodes` namespaces (named `names`, else dtn<tag><i>) joined by links capped at `rate`; remove
+    everything on exit."""
+    network = build_network(nodes, rate, subnet=subnet, burst=burst, latency=latency, names=names)
     cluster = Cluster(network.nodes, rate)
     try:
         yield cluster

@@ -40,6 +40,23 @@ def kill_node(agent_pid: int) -> list[int]:
     return victims
 
 
+def runs_rank_zero(agent_pid: int) -> bool:
+    """Whether a worker of global rank 0 runs under this agent (its environment says RANK=0)."""
+    for pid in descendants(process_parents(), agent_pid):
+        with contextlib.suppress(OSError):
+            if b"RANK=0" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return True
+    return False
+
+
+def uninterrupted_accuracy(config: Path, settings: Sequence[str], run_dir: Path) -> float:
+    """The final validation accuracy of the same run on one machine, never interrupted: the reference."""
+    subprocess.run([sys.executable, "-m", "dtrain.cli", "run", str(config), "--run-dir", str(run_dir),
+                    *[arg for setting in settings for arg in ("--set", setting)]],
+                   check=True, capture_output=True, timeout=900)
+    return float(json.loads((run_dir / "summary.json").read_text())["validation"]["accuracy"])
+
+
 def membership(run_dir: Path) -> list[dict[str, Any]]:
     """The chief's membership record so far (runs/membership.py)."""
     path = run_dir / "membership.json"

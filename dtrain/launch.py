@@ -218,6 +218,8 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
     if node.elastic:
         rdzv_configs.update(ELASTIC_RENDEZVOUS)
         os.environ[NODE_RANGE_ENV] = node.nnodes_text
+    if node.rdzv_endpoint is not None:
+        _reopen_rendezvous(node.rdzv_endpoint, run_id)
     (run_dir / FATAL_FILE).unlink(missing_ok=True)
     launch_config = LaunchConfig(
         min_nodes=node.min_nodes or node.nnodes, max_nodes=node.nnodes, nproc_per_node=nproc,
@@ -265,23 +267,35 @@ def _latest_checkpoint(run_dir: Path) -> str | None:
     return f"checkpoints/{name}" if store.url == str((run_dir / "checkpoints").resolve()) else store.describe(name)
 
 
+def _reopen_rendezvous(endpoint: str, run_id: str) -> None:
+    """A store that outlived an earlier job with this rendezvous id holds it closed: start it again, and say so."""
+    from dtrain.comm.rendezvous_store import reopen_if_closed
+
+    reopened = reopen_if_closed(endpoint, run_id)
+    if reopened is not None:
+        print(f"dtrain: rendezvous {run_id} at {endpoint} was closed by a job that ended; starting it again (round "
+              f"{reopened})", file=sys.stderr, flush=True)
+
+
 def _cluster_rendezvous(node: NodeSpec) -> tuple[str, str, dict[str, object], str | None]:
     """Backend, endpoint, configs and this node's address for a job on several nodes.
 
     With --master-addr/--master-port: torch's c10d rendezvous, hosted by node 0's agent at that address, through
     `dtrain.comm.rendezvous` so that --node-rank stays the node's rank; a failure on any node makes every node's
     agent restart its workers into the same round. With --rdzv-endpoint: plain c10d (the rendezvous numbers the
-    nodes), hosted by the node that owns the endpoint's address."""
+    nodes), every node a client of the store that serves there (`dtrain rendezvous`), or, where nothing serves it
+    yet, hosted by the node that owns the endpoint's address (dtrain.comm.rendezvous_store)."""
     from dtrain.comm.rendezvous import ELASTIC_KEY, NODE_RANK_KEY, local_address, register
+    from dtrain.comm.rendezvous_store import parse_endpoint, rendezvous_configs
     from dtrain.comm.topology import interface_addresses
 
     addresses = interface_addresses()
     chosen = addresses.get(node.network_interface) if node.network_interface else None
     if node.rdzv_endpoint is not None:
-        host = node.rdzv_endpoint.rsplit(":", 1)[0]
-        configs: dict[str, object] = {"is_host": True} if host in addresses.values() else {}
-        return "c10d", node.rdzv_endpoint, configs, local_address(host, chosen)
-    configs = {"is_host": node.node_rank == 0, NODE_RANK_KEY: node.node_rank, ELASTIC_KEY: node.elastic}
+        host, _ = parse_endpoint(node.rdzv_endpoint)
+        return "c10d", node.rdzv_endpoint, rendezvous_configs(node.rdzv_endpoint), local_address(host, chosen)
+    configs: dict[str, object] = {"is_host": node.node_rank == 0, NODE_RANK_KEY: node.node_rank,
+                                  ELASTIC_KEY: node.elastic}
     return register(), f"{node.master_addr}:{node.master_port}", configs, local_address(node.master_addr, chosen)
 
 

@@ -205,7 +205,7 @@ def check_interface(name: str, master_addr: str | None, master_port: int | None,
     if resolved in addresses.values():  # this machine is the master: its store may not listen yet
         return
     source = addresses[name]
-    failure = _probe_master(resolved, master_port, timeout_seconds, source)
+    failure = probe_port(resolved, master_port, timeout_seconds, source)
     if failure is None:
         return
     right = route_interface(master_addr)
@@ -215,8 +215,8 @@ def check_interface(name: str, master_addr: str | None, master_port: int | None,
                       " to the interface the machines share")
 
 
-def _probe_master(master_addr: str, master_port: int, timeout_seconds: float,
-                  source: str | None = None) -> OSError | None:
+def probe_port(master_addr: str, master_port: int, timeout_seconds: float,
+               source: str | None = None) -> OSError | None:
     """Connect to the master's port (from `source`'s address when given) until it accepts (None) or the timeout
     passes while refused; at once when there is no route. The last error otherwise."""
     deadline = time.monotonic() + timeout_seconds
@@ -247,7 +247,7 @@ def check_master_reachable(master_addr: str, master_port: int, timeout_seconds: 
         raise LaunchError(f"this node ({here}) cannot resolve the master's name {master_addr!r} ({exc.strerror or exc}"
                           "); give --master-addr a name or address of node 0 that every node resolves (under Slurm: "
                           "export MASTER_ADDR before srun)") from None
-    failure = _probe_master(address, master_port, timeout_seconds)
+    failure = probe_port(address, master_port, timeout_seconds)
     if failure is None:
         return
     shown = master_addr if address == master_addr else f"{master_addr} ({address})"
@@ -388,10 +388,19 @@ JOB_STORE_ENV = "DTRAIN_JOB_STORE"  # 127.0.0.1:PORT of `dtrain run`'s own store
 
 def bind_loopback(port: int = 0) -> socket.socket:
     """A listening TCP socket on 127.0.0.1 (port 0 picks a free one)."""
+    return bind_listener("127.0.0.1", port)
+
+
+def bind_listener(address: str, port: int = 0) -> socket.socket:
+    """A listening TCP socket on an IPv4 `address` ('0.0.0.0': every interface; port 0 picks a free one)."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", port))
-    listener.listen(512)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((address, port))
+        listener.listen(512)
+    except OSError:
+        listener.close()
+        raise
     return listener
 
 

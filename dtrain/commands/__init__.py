@@ -11,10 +11,10 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from dtrain.commands import dashboard, diagnose, experiments, export, horovodrun, plan, preview, run
+from dtrain.commands import dashboard, diagnose, experiments, export, horovodrun, plan, preview, rendezvous, run
 
 Register = Callable[[Any], argparse.ArgumentParser]  # takes argparse's subparsers action
 
 COMMANDS: tuple[Register, ...] = (run.register, preview.register, experiments.register, plan.register,
                                   diagnose.register, horovodrun.register, export.register,
-                                  dashboard.register)
+                                  dashboard.register, rendezvous.register)

@@ -26,7 +26,9 @@ def register(subcommands: Any) -> argparse.ArgumentParser:
     run = subcommands.add_parser(
         "run", help="train an experiment", description=DESCRIPTION,
         epilog="Across machines run the same command on every node with --nnodes, --node-rank and the chief's "
-        "--master-addr/--master-port. Running it again with the same --run-dir resumes an unfinished run.")
+        "--master-addr/--master-port, or with --nnodes and --rdzv-endpoint where `dtrain rendezvous` serves the store "
+        "(then any node may be lost, node 0 included: give every node the same --run-dir on a shared file system). "
+        "Running it again with the same --run-dir resumes an unfinished run.")
     run.add_argument("config", type=Path, help="experiment YAML file")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key, e.g. --set resources.slots_per_trial=4 (repeatable; the value "
@@ -46,7 +48,10 @@ def register(subcommands: Any) -> argparse.ArgumentParser:
     run.add_argument("--master-port", type=int, help="the chief's rendezvous port (default: a free port; in a "
                      "Slurm job step MASTER_PORT, else 20000 + the job id mod 20000)")
     run.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
-                     help="c10d rendezvous endpoint shared by all nodes, instead of --node-rank/--master-*")
+                     help="the c10d rendezvous store shared by all nodes, instead of --node-rank/--master-*: "
+                          "where `dtrain rendezvous` serves it on a host that outlives the nodes (every node a "
+                          "client: any node may be lost, node 0 included), else hosted by the node whose address "
+                          "it names (that node must stay); nothing serving it within 60 s is an error")
     run.add_argument("--network-interface", metavar="NAME",
                      help="this machine's network interface to the other nodes, for gloo (default: "
                           "distributed.network_interface, else the one that routes to --master-addr)")
@@ -84,6 +89,7 @@ def run_experiment(args: argparse.Namespace) -> int:
     from dtrain.train.tracking import check_tracking
 
     _parse_node_range(args, os.environ)
+    _check_rendezvous_options(args)
     raw = raw_config(args.config, args.overrides)
     if is_search(raw):
         return _run_search(args)
@@ -117,6 +123,10 @@ def run_experiment(args: argparse.Namespace) -> int:
 
         assert node.master_port is not None  # validate() asks for it on several nodes
         check_master_reachable(node.master_addr, node.master_port, config.distributed.timeout_seconds)
+    if node.rdzv_endpoint is not None:  # nothing serves it and this node would not host it: one line, not a hang
+        from dtrain.comm.rendezvous_store import SERVED_WAIT_SECONDS, check_endpoint
+
+        check_endpoint(node.rdzv_endpoint, min(SERVED_WAIT_SECONDS, config.distributed.timeout_seconds))
     if config.is_command:  # a command that cannot start fails here, before any worker starts
         check_command(config.entry.argv, loaded.base_dir)
     else:  # so do a wrong Trial class and hyperparameters it cannot use
@@ -173,6 +183,23 @@ def _parse_node_range(args: argparse.Namespace, environ: Mapping[str, str]) -> N
                               f"minReplicas:maxReplicas) read as --nnodes: {error}") from None
     if isinstance(args.nnodes, str):
         args.nnodes, args.min_nodes = parse_nnodes(args.nnodes)
+
+
+def _check_rendezvous_options(args: argparse.Namespace) -> None:
+    """--rdzv-endpoint numbers the nodes itself and has no master: given with --node-rank, --master-addr or
+    --master-port it is one line (which of the two ways to start did the user mean?)."""
+    from dtrain.comm.rendezvous_store import parse_endpoint
+
+    if args.rdzv_endpoint is None:
+        return
+    parse_endpoint(args.rdzv_endpoint)
+    given = [flag for flag, value in (("--node-rank", args.node_rank), ("--master-addr", args.master_addr),
+                                      ("--master-port", args.master_port)) if value is not None]
+    if given:
+        raise ConfigError(f"--rdzv-endpoint {args.rdzv_endpoint} with {', '.join(given)}: under --rdzv-endpoint "
+                          "the rendezvous numbers the nodes and picks the chief, so there is no node rank or master "
+                          f"to give; drop {', '.join(given)} (or drop --rdzv-endpoint and give every node its "
+                          "--node-rank and the chief's --master-addr/--master-port)")
 
 
 def _node_options_from_slurm(args: argparse.Namespace, environ: Mapping[str, str], name: str) -> None:

@@ -9,8 +9,11 @@ file is touched.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,7 +102,30 @@ def _differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> 
 def prepare_run_dir(config: ExperimentConfig, run_dir: Path | None, config_dir: Path, *, register: bool = True,
                     experiment_id: int | None = None) -> RunInfo:
     """Create or reopen a run dir; register a new run in the store when `register` (rank 0 / node 0 only): a new
-    experiment, or a new trial of `experiment_id` (a search's)."""
+    experiment, or a new trial of `experiment_id` (a search's). Nodes that start together on one run dir (shared
+    by `dtrain run --rdzv-endpoint` on a shared file system) take turns: the first creates it, the others reopen it."""
+    with _taking_turns(run_dir):
+        return _prepare(config, run_dir, config_dir, register=register, experiment_id=experiment_id)
+
+
+@contextmanager
+def _taking_turns(run_dir: Path | None) -> Iterator[None]:
+    """Hold an exclusive lock on the run dir's parent folder (flock; none where the file system refuses it)."""
+    if run_dir is None:
+        yield
+        return
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    handle = os.open(run_dir.parent, os.O_RDONLY)
+    try:
+        with suppress(OSError):
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)  # releases the lock
+
+
+def _prepare(config: ExperimentConfig, run_dir: Path | None, config_dir: Path, *, register: bool,
+             experiment_id: int | None) -> RunInfo:
     config_dir = config_dir.resolve()
     if run_dir is not None and (run_dir / CONFIG_FILE).is_file():
         return _reopen(config, run_dir, config_dir)
@@ -142,7 +168,9 @@ def _reopen(config: ExperimentConfig, run_dir: Path, config_dir: Path) -> RunInf
     ids: dict[str, Any] = {}
     if (run_dir / RUN_FILE).is_file():
         ids = json.loads((run_dir / RUN_FILE).read_text())
-    (run_dir / CONFIG_FILE).write_text(dump_config(config))
+    dumped = dump_config(config)
+    if (run_dir / CONFIG_FILE).read_text() != dumped:  # unchanged: workers of a running job may be reading it
+        (run_dir / CONFIG_FILE).write_text(dumped)
     store = ids.get("store")
     info = RunInfo(run_dir=run_dir.resolve(), experiment_id=ids.get("experiment_id"), trial_id=ids.get("trial_id"),
                    store=Path(store) if store else None, resumed=True, config_dir=config_dir,

@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from cluster import ClusterUnavailable, emulated_cluster, unavailable_reason  # noqa: E402
-from nodes import kill_node, latest_step, membership, node_command, wait_for  # noqa: E402
+from nodes import kill_node, latest_step, membership, node_command, uninterrupted_accuracy, wait_for  # noqa: E402
 
 # about 5 minutes on 2 shared cores; not marked slow: that marker is for the distributed and fault suites, and make
 # test-fast leaves tests/root out anyway (tests/unit/test_markers.py)
@@ -73,11 +73,7 @@ def test_a_lost_node_then_a_joining_one_and_the_accuracy_holds(tmp_path: Path) -
     summary = json.loads((chief_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps_completed"] == BATCHES
     assert summary["membership"] == record
-    reference = tmp_path / "uninterrupted"
-    subprocess.run([sys.executable, "-m", "dtrain.cli", "run", str(CONFIG), "--run-dir", str(reference),
-                    *[arg for setting in SETTINGS for arg in ("--set", setting)]],
-                   check=True, capture_output=True, timeout=900)
-    whole = json.loads((reference / "summary.json").read_text())
-    accuracy, expected = summary["validation"]["accuracy"], whole["validation"]["accuracy"]
+    accuracy = summary["validation"]["accuracy"]
+    expected = uninterrupted_accuracy(CONFIG, SETTINGS, tmp_path / "uninterrupted")
     print(f"final accuracy {accuracy:.4f}, uninterrupted {expected:.4f}")
     assert abs(accuracy - expected) <= 0.003, (accuracy, expected)

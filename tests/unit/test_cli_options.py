@@ -113,7 +113,8 @@ def test_every_command_option_matches_the_snapshot() -> None:
 def test_the_snapshot_walks_every_subcommand() -> None:
     assert set(current()) == {"dtrain", "dtrain run", "dtrain experiments", "dtrain experiments list",
                               "dtrain experiments show", "dtrain plan", "dtrain diagnose", "dtrain horovodrun",
-                              "dtrain preview", "dtrain export", "dtrain dashboard", "python -m dtrain.worker"}
+                              "dtrain preview", "dtrain export", "dtrain dashboard", "dtrain rendezvous",
+                              "python -m dtrain.worker"}
 
 
 def test_a_lost_flag_and_a_changed_default_are_named() -> None:
