@@ -190,6 +190,7 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     world = config.resources.world_size
@@ -238,6 +239,8 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
         return LaunchResult(ExitCode.INTERRUPTED, f"interrupted by {signal_name}; the workers stopped at the next "
                             f"update with a checkpoint where they could, and {what}: run the same command with "
                             f"--run-dir {run_dir} to resume", signal=signal_name)
+    except RendezvousConnectionError as exc:  # its store is gone (its host was lost) or was never reachable
+        return LaunchResult(ExitCode.FAILED, _lost_store(endpoint, node, exc, _latest_checkpoint(run_dir), run_dir))
     except ChildFailedError as exc:
         fatal = read_fatal(run_dir, run_id)
         if fatal is not None:
@@ -249,6 +252,19 @@ def launch_workers(run_dir: Path, config: ExperimentConfig, node: NodeSpec) -> L
         return LaunchResult(ExitCode.FAILED, _describe_failure(exc, run_dir),
                             traceback=raised[0].traceback if raised else None)
     return LaunchResult(ExitCode.OK, chief=ran_rank_zero(returned))
+
+
+def _lost_store(endpoint: str, node: NodeSpec, exc: BaseException, kept: str | None, run_dir: Path) -> str:
+    """One line for an agent that lost its connection to the rendezvous store (torch raises it with a traceback)."""
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    reason = " ".join(str(cause).split())[:200] or type(cause).__name__
+    where = ("it lives in the agent of node 0 (--master-addr) and goes with that node" if node.rdzv_endpoint is None
+             else "one hosted by a node's agent goes with that node, and one served by `dtrain rendezvous` must keep "
+             "running")
+    what = f"training up to {kept} is kept" if kept else "no checkpoint was written yet"
+    return (f"this node lost the rendezvous store at {endpoint} ({reason}); {where}: to survive losing any node, "
+            "serve it with `dtrain rendezvous` on a host that stays and start every node with --rdzv-endpoint "
+            f"(docs/clusters.md, Losing node 0); {what}: run the same command with --run-dir {run_dir} to resume")
 
 
 def _latest_checkpoint(run_dir: Path) -> str | None:

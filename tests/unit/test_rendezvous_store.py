@@ -139,3 +139,36 @@ def test_nodes_that_prepare_one_shared_run_dir_at_once_register_it_once(
         thread.join()
     assert len(found) == 2 and found[0].experiment_id == found[1].experiment_id
     assert sorted(info.resumed for info in found) == [False, True]
+
+
+def test_an_agent_that_loses_its_store_ends_with_one_line_naming_the_fix(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The store hosted by node 0's agent goes with node 0: torch's agent raises RendezvousConnectionError (seen on
+    the emulated cluster with a traceback of 40 lines); dtrain says what happened and what to do instead."""
+    import os
+
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+    from torch.distributed.launcher import api
+
+    from dtrain.launch import NodeSpec, launch_workers
+
+    def lost(*_: object, **__: object) -> object:
+        def run(*_: object) -> object:
+            try:
+                raise RuntimeError("Connection reset by peer")
+            except RuntimeError as exc:
+                raise RendezvousConnectionError("The connection to the C10d store has failed.") from exc
+        return run
+
+    monkeypatch.setattr(os, "environ", os.environ.copy())
+    monkeypatch.setattr(api, "elastic_launch", lost)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config = load_config(FIXTURES / "digits.yaml").config
+    node = NodeSpec(nnodes=2, node_rank=1, master_addr="127.0.0.1", master_port=free_port(), min_nodes=1)
+    result = launch_workers(run_dir, config, node)
+    assert result.exit_code == ExitCode.FAILED and result.message is not None
+    assert "lost the rendezvous store at 127.0.0.1:" in result.message
+    assert "(Connection reset by peer)" in result.message
+    assert "node 0 (--master-addr)" in result.message and "`dtrain rendezvous`" in result.message
+    assert "no checkpoint was written yet" in result.message and "\n" not in result.message
