@@ -5,7 +5,9 @@ hand-written loop, in at most 8 minutes on one H200; `--device cpu` runs the sam
 Correctness: the demo CNN (float32) and a float64 MLP trained by dtrain equal a plain torch loop (one rank; the
 MLP within 1e-9); 2 worker processes sharing the one GPU over gloo with CUDA tensors equal one process; NCCL at
 world size 1 for strategies allreduce, zero1 and fsdp; bf16 autocast and fp16 with a GradScaler end within 0.5
-accuracy points of fp32. Each run's global batch is its whole data set, so the sampler's shuffle changes only the
+accuracy points of fp32; Horovod's collectives and DistributedOptimizer through `dtrain horovodrun -np 1` on CUDA
+tensors over NCCL (`tests/horovod_scripts/device_collectives.py`; gloo on the CPU in the dry run). Each run's global
+batch is its whole data set, so the sampler's shuffle changes only the
 order of a sum, not which records a step sees.
 
 Speed, in paired rounds (dtrain and the hand-written loop back to back, the order alternating): the demo CNN (small:
@@ -27,6 +29,7 @@ import json
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -357,6 +360,33 @@ def check_precisions(sizes: dict[str, Any], work: Path, judged: bool) -> dict[st
             "passed": all(abs(gap) <= 0.5 for gap in gaps.values()) or not judged}
 
 
+HOROVOD_SCRIPT = REPO / "tests" / "horovod_scripts" / "device_collectives.py"
+HOROVOD_BACKENDS = {"cuda": "cpu:gloo,cuda:nccl", "cpu": "cpu:gloo,cuda:gloo"}
+
+
+def check_horovod(work: Path, device: torch.device) -> dict[str, Any]:
+    """dtrain's horovod.torch at one rank under `dtrain horovodrun -np 1`: every collective and the
+    DistributedOptimizer against the script's own references, each result left on the device, and the process
+    group it made (NCCL for CUDA tensors on a GPU; two ranks cannot share one GPU under NCCL). HOROVOD_ELASTIC=1
+    makes the optimizer reduce at one rank, as Horovod's does."""
+    results = work / "horovod-collectives.json"
+    command = [sys.executable, "-m", "dtrain.cli", "horovodrun", "-np", "1", "python", str(HOROVOD_SCRIPT),
+               "--device", device.type, "--results", str(results)]
+    done = subprocess.run(command, cwd=work, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "HOROVOD_ELASTIC": "1"})
+    name = "horovod.torch collectives and DistributedOptimizer through dtrain horovodrun -np 1"
+    if not results.is_file():
+        return {"check": name, "passed": False, "exit_code": done.returncode,
+                "error": (done.stdout[-1000:] + done.stderr[-2000:])}
+    found = json.loads(results.read_text())
+    failed = {key: check for key, check in found["checks"].items() if not check["passed"]}
+    expected = HOROVOD_BACKENDS[device.type]
+    return {"check": name, "backend": found["backend"], "expected_backend": expected, "device": found["device"],
+            "checks_run": len(found["checks"]), "failed": failed, "exit_code": done.returncode,
+            "passed": done.returncode == 0 and not failed and found["backend"] == expected
+            and found["device"].startswith(device.type)}
+
+
 # --------------------------------------------------------------------------------------------------- speed
 
 
@@ -489,7 +519,8 @@ def run_check(device_name: str, out: Path, commit: str | None = None) -> dict[st
             lambda: check_against_plain("mlp", sizes, work, device),
             lambda: check_two_processes(sizes, work, device),
             *(lambda s=s: check_strategy(s, sizes, work, device) for s in ("allreduce", "zero1", "fsdp")),
-            lambda: check_precisions(sizes, work, judged=device.type == "cuda")]
+            lambda: check_precisions(sizes, work, judged=device.type == "cuda"),
+            lambda: check_horovod(work, device)]
         for check in checks:
             try:
                 outcome = check()

@@ -37,7 +37,7 @@ def adasum_pair(a: torch.Tensor, b: torch.Tensor, lengths: Sequence[int] | None 
     if len(sizes) == 1:
         dot, a_sq, b_sq = torch.dot(a64, b64).reshape(1), torch.dot(a64, a64).reshape(1), torch.dot(b64, b64).reshape(1)
     else:
-        segments = torch.tensor(sizes, dtype=torch.long)
+        segments = torch.tensor(sizes, dtype=torch.long, device=a.device)
         dot = torch.segment_reduce(a64 * b64, "sum", lengths=segments)
         a_sq = torch.segment_reduce(a64 * a64, "sum", lengths=segments)
         b_sq = torch.segment_reduce(b64 * b64, "sum", lengths=segments)

@@ -5,6 +5,7 @@ with Horovod's variables set, and `import horovod.torch as hvd` resolves to dtra
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from dtrain.errors import ExitCode, LaunchError
@@ -83,8 +84,22 @@ def check_build() -> str:
         "dtrain horovod (Horovod 0.28.1 PyTorch API on torch.distributed)",
         "Available Frameworks:", "    [ ] TensorFlow", "    [X] PyTorch", "    [ ] MXNet",
         "Available Controllers:", "    [ ] MPI", "    [X] Gloo",
-        "Available Tensor Operations:", f"    [{'X' if basics.nccl_built() else ' '}] NCCL (not tested here)",
+        "Available Tensor Operations:",
+        f"    [{'X' if basics.nccl_built() else ' '}] NCCL (CUDA tensors; not run on a GPU here)",
         "    [ ] DDL", "    [ ] CCL", "    [ ] MPI", "    [X] Gloo"])
+
+
+def _check_gpu_operations(run: Any) -> None:
+    """HOROVOD_GPU_OPERATIONS checked here, before the workers start, where this host is every worker's (no -H or
+    --hostfile) or the job is elastic: one line instead of every rank's."""
+    from dtrain.horovod import backends
+
+    if run.hosts and not run.elastic:
+        return
+    try:
+        backends.check_before_launch(os.environ, run.np, run.elastic)
+    except backends.BackendChoiceError as error:
+        raise LaunchError(str(error)) from None
 
 
 def horovodrun(args: argparse.Namespace) -> int:
@@ -122,6 +137,7 @@ def horovodrun(args: argparse.Namespace) -> int:
                      hierarchical_allreduce=args.hierarchical_allreduce, autotune=args.autotune,
                      min_np=args.min_np, max_np=args.max_np, reset_limit=args.reset_limit, force=args.force,
                      verbose=args.verbose, host_discovery_script=args.host_discovery_script)
+    _check_gpu_operations(run)
     if args.mpi:
         from dtrain.horovod.mpi_launch import launch_mpi
 

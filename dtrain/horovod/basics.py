@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import os
 import socket
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -19,16 +20,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed import HashStore
 
-from dtrain.horovod import membership, mpi
+from dtrain.errors import ExitCode
+from dtrain.horovod import backends, membership, mpi
 
 Average, Sum, Adasum, Min, Max, Product = 1, 0, 2, 3, 4, 5
 OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
-# fp16, bf16 and int16 are reduced in a wider type (gloo lacks them; fp16/bf16 in fp32, as Horovod does on CPU)
-REDUCE_WIRE = {torch.int16: torch.int64, torch.float16: torch.float32, torch.bfloat16: torch.float32}
 TORCH_OPS = {Sum: dist.ReduceOp.SUM, Average: dist.ReduceOp.SUM, Min: dist.ReduceOp.MIN, Max: dist.ReduceOp.MAX,
              Product: dist.ReduceOp.PRODUCT}
 NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
@@ -100,6 +99,8 @@ class _State:
     next_set_id: int = 1
     timeline: Any = None
     timeline_at_exit: bool = False
+    backends: dict[str, str] = field(default_factory=lambda: {"cpu": "gloo", "cuda": "gloo"})  # device -> backend
+    cuda_device: int | None = None  # the GPU init() chose (the negotiation's thread puts a joined rank's zeros there)
 
 
 STATE = _State()
@@ -128,7 +129,7 @@ class JobListener:
 
 LISTENERS: list[JobListener] = []
 _AT_EXIT: list[bool] = []
-_INITS: list[bool] = []  # one entry per gloo group this process made through MASTER_PORT
+_INITS: list[bool] = []  # one entry per process group this process made through MASTER_PORT
 _STORES: dict[tuple[str, str, int, int], dist.Store] = {}  # (address, port, rank, size) -> the store, kept
 
 
@@ -141,8 +142,10 @@ def _env_int(*names: str, default: int) -> int:
 
 
 def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -> None:
-    """Join the job (idempotent). Creates the gloo process group from the launcher's variables unless one
-    exists already; `comm` (a list of world ranks) is not supported: use a process set instead."""
+    """Join the job (idempotent). Creates the process group from the launcher's variables unless one exists
+    already: gloo for CPU tensors, and for CUDA tensors NCCL where each local rank has a GPU (`backends.py`), the
+    GPU of this local rank then made current; `comm` (a list of world ranks) is not supported: use a process set
+    instead."""
     if STATE.initialized:
         return
     if comm is not None:
@@ -160,18 +163,23 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
         STATE.owns_group = True
     elif not dist.is_initialized():
         timeout = timedelta(seconds=gloo_timeout())
-        if world == 1 and "MASTER_ADDR" not in os.environ:
-            dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+        alone = world == 1 and "MASTER_ADDR" not in os.environ
+        local_size = 1 if alone else mpi_process.local_size if mpi_process is not None else \
+            backends.local_size_from(os.environ)
+        backend = _backend_or_exit(local_size, me)
+        if alone:
+            dist.init_process_group(backend, store=HashStore(), rank=0, world_size=1)
         elif mpi_process is not None:
-            mpi.init_process_group(mpi_process, "gloo", timeout)
+            mpi.init_process_group(mpi_process, backend, timeout)
         else:
             os.environ.setdefault("MASTER_ADDR", os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1"))
             if "HOROVOD_GLOO_RENDEZVOUS_PORT" in os.environ:
                 os.environ.setdefault("MASTER_PORT", os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"])
             if "HOROVOD_GLOO_IFACE" in os.environ:
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", os.environ["HOROVOD_GLOO_IFACE"])
-            _init_gloo_group(me, world, timeout)
+            _init_env_group(me, world, timeout, backend)
         STATE.owns_group = True
+    STATE.backends = backends.device_backends(dist.get_backend_config())
     STATE.rank, STATE.size = dist.get_rank(), dist.get_world_size()
     if mpi_process is not None and STATE.size == mpi_process.size:
         layout = mpi.exchange_layout(mpi_process)
@@ -182,6 +190,8 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
         STATE.local_rank = _env_int("HOROVOD_LOCAL_RANK", "LOCAL_RANK", default=STATE.rank % STATE.local_size)
         STATE.cross_rank = _env_int("HOROVOD_CROSS_RANK", "GROUP_RANK", default=STATE.rank // STATE.local_size)
         STATE.cross_size = _env_int("HOROVOD_CROSS_SIZE", default=max(1, STATE.size // STATE.local_size))
+    if STATE.backends.get("cuda") == "nccl":  # NCCL wants one GPU per rank: this local rank's, as Horovod's docs say
+        STATE.cuda_device = backends.use_local_gpu(STATE.local_rank)
     STATE.initialized = True
     if not _AT_EXIT:  # as Horovod does: leave cleanly when the script ends without hvd.shutdown()
         atexit.register(shutdown)
@@ -199,6 +209,9 @@ def init(comm: Any = None, process_sets: list[ProcessSet] | str | None = None) -
         for name, why in IGNORED_KNOBS.items():
             if os.environ.get(name) not in (None, "", "0"):
                 warnings.warn(f"dtrain.horovod: {name} is ignored ({why})", stacklevel=2)
+        cpu_operations = backends.cpu_operations_ignored(os.environ)
+        if cpu_operations is not None:
+            warnings.warn(cpu_operations, stacklevel=2)
     timeline = os.environ.get("HOROVOD_TIMELINE")
     if timeline and timeline != "DYNAMIC":
         start_timeline(timeline)
@@ -225,9 +238,20 @@ def reform() -> None:
     init()
 
 
-def _init_gloo_group(me: int, world: int, timeout: timedelta) -> None:
-    """The gloo process group from MASTER_ADDR/MASTER_PORT, on a store this process keeps for every later init,
-    with keys under a prefix new to each init.
+def _backend_or_exit(local_size: int | None, me: int) -> str:
+    """The backend string for a new process group (`backends.choose_backend`); a HOROVOD_GPU_OPERATIONS this
+    machine cannot honour stops every rank with one line (printed by rank 0), exit code 2."""
+    try:
+        return backends.choose_backend(os.environ, local_size)
+    except backends.BackendChoiceError as error:
+        if me == 0:
+            print(f"dtrain.horovod: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(ExitCode.USER_ERROR) from None
+
+
+def _init_env_group(me: int, world: int, timeout: timedelta, backend: str) -> None:
+    """The process group (`backend`: gloo, or gloo and NCCL by device) from MASTER_ADDR/MASTER_PORT, on a store
+    this process keeps for every later init, with keys under a prefix new to each init.
 
     After shutdown() a quicker rank re-inits while a slower one still holds the last group: with a store made per
     init it finds rank 0's old store still serving, reads the last group's keys and pairs with sockets about to
@@ -239,7 +263,7 @@ def _init_gloo_group(me: int, world: int, timeout: timedelta) -> None:
         _STORES[where] = next(dist.rendezvous("env://", rank=me, world_size=world, timeout=timeout))[0]
     _INITS.append(True)
     prefixed = dist.PrefixStore(f"dtrain-horovod-init-{len(_INITS)}", _STORES[where])
-    dist.init_process_group("gloo", store=prefixed, rank=me, world_size=world, timeout=timeout)
+    dist.init_process_group(backend, store=prefixed, rank=me, world_size=world, timeout=timeout)
 
 
 def shutdown() -> None:

@@ -39,16 +39,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtrain.horovod import basics
-from dtrain.horovod.basics import OP_NAMES, REDUCE_WIRE, TORCH_OPS
+from dtrain.horovod import backends, basics
+from dtrain.horovod.basics import OP_NAMES, TORCH_OPS
 
 KINDS = {"ALLREDUCE": 1, "ALLGATHER": 2, "BROADCAST": 3, "ALLTOALL": 4, "REDUCESCATTER": 5, "BARRIER": 6,
          "JOIN": 7, "SHUTDOWN": 8}
 KIND_NAMES = {code: name for name, code in KINDS.items()}
 DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
           torch.float32, torch.float64, torch.bool]
+DEVICES = ["cpu", "cuda"]  # the device column: a CPU tensor goes through gloo, a CUDA one through NCCL where it runs
 MAX_DIMS = 8
-ROW = 6 + MAX_DIMS  # kind, dtype, ndim, op, root, set id, dims
+DEVICE = 6  # the device column
+DIMS = 7  # where the dims start
+ROW = DIMS + MAX_DIMS  # kind, dtype, ndim, op, root, set id, device, dims
 WIDTH = 1 + ROW  # key, row
 FIRST_BATCH = 32  # entries that travel in a cycle's first all-gather; more take a second one
 ADASUM = 2
@@ -60,38 +63,50 @@ CACHEABLE = {KINDS["ALLREDUCE"], KINDS["BROADCAST"], KINDS["REDUCESCATTER"], KIN
 
 def metadata_row(kind: str, tensor: torch.Tensor | None, op: int = 0, root: int = -1, set_id: int = 0
                  ) -> torch.Tensor:
-    """What every rank must agree on under one name: kind, dtype, shape, op, root, process set."""
+    """What every rank must agree on under one name: kind, dtype, shape, op, root, process set, device type (a CPU
+    tensor on one rank and a CUDA one on another would go through two different backends)."""
     row = torch.zeros(ROW, dtype=torch.int64)
     row[0], row[3], row[4], row[5] = KINDS[kind], op, root, set_id
     if tensor is not None:
         row[1] = DTYPES.index(tensor.dtype) if tensor.dtype in DTYPES else 99
         row[2] = tensor.dim()
+        row[DEVICE] = DEVICES.index(tensor.device.type) if tensor.device.type in DEVICES else len(DEVICES)
         dims = list(tensor.shape)
         if len(dims) > MAX_DIMS:
             dims = dims[:MAX_DIMS - 1] + [math.prod(dims[MAX_DIMS - 1:])]
-        row[6:6 + len(dims)] = torch.tensor(dims, dtype=torch.int64)
+        row[DIMS:DIMS + len(dims)] = torch.tensor(dims, dtype=torch.int64)
     return row
 
 
 def describe(row: torch.Tensor) -> str:
     kind = KIND_NAMES.get(int(row[0]), "?")
     dtype = DTYPES[int(row[1])] if int(row[1]) < len(DTYPES) else "unsupported"
-    shape = tuple(int(d) for d in row[6:6 + min(int(row[2]), MAX_DIMS)])
-    return f"{kind} of {dtype} {shape}" + (f" op {OP_NAMES.get(int(row[3]), row[3])}" if int(row[0]) in (
+    shape = tuple(int(d) for d in row[DIMS:DIMS + min(int(row[2]), MAX_DIMS)])
+    device = DEVICES[int(row[DEVICE])] if int(row[DEVICE]) < len(DEVICES) else "another device"
+    return f"{kind} of {dtype} {shape} on {device}" + (f" op {OP_NAMES.get(int(row[3]), row[3])}" if int(row[0]) in (
         1, 5) else "") + (f" root {int(row[4])}" if int(row[0]) == 3 else "")
 
 
 def rows_differ(kind: str, row: torch.Tensor, reference: torch.Tensor) -> bool:
     """Whether two ranks' rows disagree on what must agree under one name (dim 0 is free for allgather and
     alltoall)."""
-    first = 7 if kind in ("ALLGATHER", "ALLTOALL") else 6
+    first = DIMS + 1 if kind in ("ALLGATHER", "ALLTOALL") else DIMS
     dims = min(int(reference[2]), MAX_DIMS)
-    return not (all(int(row[c]) == int(reference[c]) for c in range(6))
-                and torch.equal(row[first:6 + dims], reference[first:6 + dims]))
+    return not (all(int(row[c]) == int(reference[c]) for c in range(DIMS))
+                and torch.equal(row[first:DIMS + dims], reference[first:DIMS + dims]))
 
 
 def shape_of(row: torch.Tensor) -> list[int]:
-    return [int(d) for d in row[6:6 + min(int(row[2]), MAX_DIMS)]]
+    return [int(d) for d in row[DIMS:DIMS + min(int(row[2]), MAX_DIMS)]]
+
+
+def device_of(row: torch.Tensor) -> torch.device:
+    """Where a joined rank puts its zeros for `row`: the CPU, or the GPU `hvd.init()` made current (this thread's
+    current device is not the main thread's)."""
+    if int(row[DEVICE]) == DEVICES.index("cuda"):
+        index = basics.STATE.cuda_device
+        return torch.device("cuda", index if index is not None else torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def key_of(set_id: int, name: str) -> int:
@@ -503,21 +518,22 @@ class Coordinator:
 
     def _zeros(self, item: Ready, fused: dict[tuple[Any, ...], list[tuple[Ready, Entry | None]]]) -> None:
         row = next(iter(item.rows.values()))
-        dtype = REDUCE_WIRE.get(DTYPES[int(row[1])], DTYPES[int(row[1])])
+        device = device_of(row)
+        dtype = backends.reduce_wire(DTYPES[int(row[1])], device, basics.STATE.backends)
         op, set_id = int(row[3]), int(row[5])
-        zeros = torch.zeros(shape_of(row), dtype=dtype)
+        zeros = torch.zeros(shape_of(row), dtype=dtype, device=device)
         if op == ADASUM:
             from dtrain.comm.adasum import adasum_all_reduce_
 
             adasum_all_reduce_(zeros.view(-1), group=self.data_group(set_id))
             return
-        fused.setdefault(fusion_key(set_id, dtype, op), []).append((item, None))
+        fused.setdefault(fusion_key(set_id, dtype, op, device), []).append((item, None))
         self._zero_buffers[item.key] = zeros
 
     def _run_fused(self, key: tuple[Any, ...], group: list[tuple[Ready, Entry | None]]) -> None:
         """One all-reduce per run of same-key allreduces up to the fusion threshold (the same runs on every rank:
         they come from the agreed table, in key order)."""
-        set_id, _, op = key
+        set_id, _, op, _ = key
         chunk: list[tuple[Ready, Entry | None, torch.Tensor]] = []
         size = 0
         for item, entry in group:
@@ -647,8 +663,10 @@ def _copier(buffer: torch.Tensor, flat: torch.Tensor, offset: int, n: int) -> Ca
     return copy
 
 
-def fusion_key(set_id: int, wire_dtype: torch.dtype, op: int) -> tuple[Any, ...]:
-    return (set_id, wire_dtype, op)
+def fusion_key(set_id: int, wire_dtype: torch.dtype, op: int, device: torch.device) -> tuple[Any, ...]:
+    """Allreduces fused into one buffer share a process set, wire type, op and device (a fused buffer lives on
+    one device, and goes through that device's backend)."""
+    return (set_id, wire_dtype, op, str(device))
 
 
 COORDINATOR: list[Coordinator | None] = [None]

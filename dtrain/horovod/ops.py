@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtrain.horovod import basics
+from dtrain.horovod import backends, basics
+from dtrain.horovod.backends import MOVE_WIRE
 from dtrain.horovod.basics import (
-    REDUCE_WIRE,
     Adasum,
     Average,
     ProcessSet,
@@ -30,6 +30,7 @@ from dtrain.horovod.basics import (
 )
 from dtrain.horovod.negotiation import (
     COORDINATOR,
+    DIMS,
     ROW,
     Entry,
     Ready,
@@ -43,10 +44,10 @@ from dtrain.horovod.negotiation import (
 REDUCIBLE = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
              torch.float32, torch.float64}
 MOVABLE = REDUCIBLE | {torch.bool}
-# What gloo cannot carry travels as a wider type and is narrowed back, exactly: int16 moves as int32 (every value
-# fits) and is reduced in int64 then wrapped to 16 bits, as a sum in int16 would wrap; fp16 and bf16 are reduced
-# in fp32 (as Horovod does on CPU) and move as themselves.
-MOVE_WIRE = {torch.int16: torch.int32}
+# What a backend cannot carry travels as a wider type and is narrowed back, exactly (backends.py): int16 moves as
+# int32 (every value fits) and is reduced in int64 then wrapped to 16 bits, as a sum in int16 would wrap; on gloo
+# fp16 and bf16 are reduced in fp32 (as Horovod does on CPU), on NCCL in their own type (as Horovod's NCCL path).
+# Every buffer stays on its tensor's device: CUDA tensors reach NCCL where it carries them, never through the host.
 
 
 # ------------------------------------------------------------------------------------------- posting
@@ -76,7 +77,8 @@ def _post(kind: str, name: str, process_set: ProcessSet, tensor: torch.Tensor | 
     set_id = process_set.process_set_id
     assert set_id is not None
     entry = Entry(kind, name, set_id, _members(process_set), metadata_row(kind, tensor, op, root, set_id), execute,
-                  fusion=fusion_key(set_id, buffer.dtype, op) if buffer is not None else None, buffer=buffer)
+                  fusion=fusion_key(set_id, buffer.dtype, op, buffer.device) if buffer is not None else None,
+                  buffer=buffer)
     return coordinator.post(entry)
 
 
@@ -87,7 +89,7 @@ def _data_group(process_set: ProcessSet) -> Any:
 
 
 def _firsts(ready: Ready) -> list[int]:
-    return [int(ready.rows[r][6]) for r in ready.members]
+    return [int(ready.rows[r][DIMS]) for r in ready.members]
 
 
 # ------------------------------------------------------------------------------------------- order-matched check
@@ -235,9 +237,10 @@ def _scale(tensor: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 def _work_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The buffer the reduction runs in: a contiguous copy in the type it is reduced in (REDUCE_WIRE)."""
-    wire = REDUCE_WIRE.get(tensor.dtype)
-    if wire is not None:
+    """The buffer the reduction runs in: a contiguous copy, on the tensor's device, in the type its backend reduces
+    it in (`backends.reduce_wire`)."""
+    wire = backends.reduce_wire(tensor.dtype, tensor.device, basics.STATE.backends)
+    if wire != tensor.dtype:
         return tensor.detach().to(wire).contiguous()
     return tensor.detach().clone().contiguous()
 
@@ -439,7 +442,8 @@ def _start_allgather(tensor: torch.Tensor, process_set: ProcessSet, name: str
 
     def gather(ready: Ready) -> tuple[torch.Tensor, list[int]]:
         firsts = _firsts(ready)
-        padded = torch.zeros((max(firsts), *source.shape[1:]), dtype=MOVE_WIRE.get(source.dtype, source.dtype))
+        padded = torch.zeros((max(firsts), *source.shape[1:]), dtype=MOVE_WIRE.get(source.dtype, source.dtype),
+                             device=source.device)
         padded[:source.shape[0]] = source
         pieces = [torch.empty_like(padded) for _ in firsts]
         dist.all_gather(pieces, padded, group=_data_group(process_set))
@@ -623,7 +627,7 @@ def _start_alltoall(tensor: torch.Tensor, splits: Any, process_set: ProcessSet, 
             raise ValueError(f"alltoall '{name}': rank(s) {[ready.members[r] for r in bad]} gave unusable splits"
                              + (f" ({problem})" if problem else ""))
         received = [int(column[me]) for column in columns]
-        output = torch.empty((sum(received), *sent.shape[1:]), dtype=sent.dtype)
+        output = torch.empty((sum(received), *sent.shape[1:]), dtype=sent.dtype, device=sent.device)
         dist.all_to_all_single(output, sent, output_split_sizes=received, input_split_sizes=send, group=group)
         return output.to(tensor.dtype), torch.tensor(received, dtype=torch.int32)
 

@@ -23,7 +23,7 @@ class SyncBatchNorm(_BatchNorm):
         if not self.training or basics.size() == 1:
             return super().forward(input)
         dims = [0, *range(2, input.dim())]
-        count = torch.tensor([input.numel() / input.shape[1]], dtype=input.dtype)
+        count = torch.tensor([input.numel() / input.shape[1]], dtype=input.dtype, device=input.device)
         stats = torch.cat([input.sum(dims), (input * input).sum(dims), count])
         total = all_reduce(stats)
         channels = input.shape[1]

@@ -22,10 +22,12 @@ def test_the_gpu_check_dry_run_passes_and_writes_every_figure(tmp_path: Path) ->
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["dry_run"] is True and result["environment"]["device"] == "cpu"
     checks = {check["check"]: check for check in result["checks"]}
-    assert len(checks) == 7 and all(check["passed"] for check in checks.values()), checks
+    assert len(checks) == 8 and all(check["passed"] for check in checks.values()), checks
     assert checks["mlp dtrain = plain torch loop"]["max_abs_difference"] <= 1e-9
     assert checks["2 processes over gloo = 1 process"]["replicas_max_abs_difference"] == 0.0
     assert checks["bf16 and fp16 within 0.5 points of fp32"]["judged"] is False  # too few records on the CPU
+    horovod = checks["horovod.torch collectives and DistributedOptimizer through dtrain horovodrun -np 1"]
+    assert horovod["backend"] == "cpu:gloo,cuda:gloo" and horovod["checks_run"] >= 39 and horovod["failed"] == {}
     headline = result["headline"]
     for model in ("cnn", "gpt"):
         assert headline["step_time_ratio_vs_handwritten"][model] > 0

@@ -1,6 +1,6 @@
 """What only a GPU can show (marked `cuda`: skipped with the reason on CI's CPU machine, run by `make gpu-check` on
 the GPU machine): the phase timers' CUDA events measure the device's time and the step never synchronizes; metrics
-stay on the device; the training loader pins its batches."""
+stay on the device; the training loader pins its batches; dtrain's horovod.torch runs CUDA tensors over NCCL."""
 
 from __future__ import annotations
 
@@ -68,3 +68,14 @@ def test_training_metrics_stay_on_the_device_until_the_report() -> None:
     metrics.end_update(applied=True)
     assert metrics.since_report["loss"].device.type == "cuda"
     assert metrics.take_report() == {"loss": 8.0, "__records": 4.0}
+
+
+def test_horovod_collectives_and_optimizer_run_over_nccl_on_cuda_tensors(tmp_path: Path) -> None:
+    """`dtrain horovodrun -np 1` (NCCL at one rank; two ranks cannot share one GPU under NCCL): the process group is
+    gloo for CPU tensors and NCCL for CUDA ones, every collective and the DistributedOptimizer equal the script's
+    local references, and every result stays on the GPU."""
+    from tests.conftest import benchmark_module
+
+    outcome = benchmark_module("gpu_check").check_horovod(tmp_path, torch.device("cuda"))
+    assert outcome["backend"] == "cpu:gloo,cuda:nccl", outcome
+    assert outcome["passed"] and outcome["checks_run"] >= 39, outcome
