@@ -33,7 +33,7 @@ TORCH_OPS = {Sum: dist.ReduceOp.SUM, Average: dist.ReduceOp.SUM, Min: dist.Reduc
 NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
 IGNORED_KNOBS = {
     "HOROVOD_AUTOTUNE": "fusion is per dtype up to HOROVOD_FUSION_THRESHOLD; nothing is tuned at run time",
-    "HOROVOD_HIERARCHICAL_ALLREDUCE": "gloo all-reduce is flat",
+    "HOROVOD_HIERARCHICAL_ALLREDUCE": "the all-reduce is flat, on gloo and on NCCL alike",
 }
 
 
