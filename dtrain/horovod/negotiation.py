@@ -11,7 +11,11 @@ Collectives run on the coordinator's own process groups, so the thread never rac
 torch.distributed calls. A name posted twice on one rank while the first is pending raises ValueError on that
 rank only; mismatched shapes or dtypes under one name raise RuntimeError on every rank that posted it; an
 operation some ranks have not posted for HOROVOD_STALL_CHECK_TIME_SECONDS (60) is reported as Horovod's stall
-warning, naming the missing ranks.
+warning, naming the missing ranks. With HOROVOD_STALL_SHUTDOWN_TIME_SECONDS set (> 0), a rank with an operation
+pending that long says so in the next full exchange, and every rank shuts the negotiation down in that same cycle, as
+Horovod's coordinator does: every pending operation on every rank raises HorovodInternalError naming the stalled
+tensors and the ranks that never posted them, later collectives raise until `hvd.shutdown()` and `hvd.init()`. A
+rank whose peers no longer exchange at all (busy elsewhere, gone) gives up alone after twice that time.
 
 The response cache (Horovod's, HOROVOD_CACHE_CAPACITY entries, 1024 by default, 0 turns it off): once every member
 has posted an allreduce, broadcast, reducescatter or barrier under one name with one row, that response gets a
@@ -54,6 +58,7 @@ DIMS = 7  # where the dims start
 ROW = DIMS + MAX_DIMS  # kind, dtype, ndim, op, root, set id, device, dims
 WIDTH = 1 + ROW  # key, row
 FIRST_BATCH = 32  # entries that travel in a cycle's first all-gather; more take a second one
+HEADER = 2  # a full exchange's first all-gather starts with: entries posted, stalled past the shutdown time (0/1)
 ADASUM = 2
 DEFAULT_FUSION_BYTES = 64 * 1024 * 1024
 DEFAULT_CACHE_CAPACITY = 1024
@@ -194,7 +199,11 @@ class Coordinator:
 
     def __init__(self, rank: int, size: int, timeout_seconds: float) -> None:
         self.rank, self.size = rank, size
-        long = timedelta(days=7)  # an idle peer is a stall (warned of), not an error
+        self.stall_shutdown_seconds = float(os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "0") or 0)
+        # an idle peer is a stall (warned of), not an error; with a stall shutdown, an exchange that no peer joins
+        # for twice that time ends the negotiation on this rank alone (no shutdown can be agreed without them)
+        long = timedelta(seconds=2 * self.stall_shutdown_seconds) if self.stall_shutdown_seconds > 0 else \
+            timedelta(days=7)
         self.control = dist.new_group(backend="gloo", timeout=long)
         self.data: dict[int, Any] = {0: dist.new_group(timeout=timedelta(seconds=timeout_seconds))}
         self.timeout_seconds = timeout_seconds
@@ -221,6 +230,7 @@ class Coordinator:
         self.stopping = False  # set by the SHUTDOWN every rank posts: the thread ends after that cycle
         self._zero_buffers: dict[int, torch.Tensor] = {}
         self.failure: BaseException | None = None
+        self.stalled_ranks: list[int] = []  # who said, in the last full exchange, it is past the shutdown time
         self.thread = threading.Thread(target=self._run, name="horovod-negotiation", daemon=True)
         self.thread.start()
 
@@ -243,6 +253,9 @@ class Coordinator:
         entry.key = key_of(entry.set_id, entry.name)
         entry.row_key = tuple(entry.row.tolist())
         with self.lock:
+            if isinstance(self.failure, basics.HorovodInternalError):
+                raise basics.HorovodInternalError(f"Horovod has been shut down: {self.failure} Call hvd.shutdown() "
+                                                  "and hvd.init() on every rank to start again")
             if self.failure is not None:
                 raise RuntimeError(f"the negotiation thread failed earlier: {self.failure}")
             if self.stopped:
@@ -298,9 +311,17 @@ class Coordinator:
             if not self.pending or self.stopping or self.failure is not None:
                 return None
             mine = sorted(self.pending.values(), key=lambda e: e.key)
+        started = time.monotonic()
         try:
             progressed = self._cycle(mine, refresh=not self.progressed)
         except BaseException as error:  # noqa: BLE001 - every waiter gets it
+            waited = time.monotonic() - started
+            if self.stall_shutdown_seconds > 0 and waited >= 2 * self.stall_shutdown_seconds * 0.9 and \
+                    not isinstance(error, basics.HorovodInternalError):
+                error = basics.HorovodInternalError(
+                    f"stall shutdown: no other rank joined the negotiation's exchange for {waited:.0f} s (twice "
+                    f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS) while {[e.name for e in mine]} waited; rank {self.rank} "
+                    f"shut Horovod down alone ({error})")
             self._fail(error)
             return None
         self.progressed = progressed
@@ -315,11 +336,38 @@ class Coordinator:
         """One negotiation cycle, the same on every rank: the cached fast path when every rank has only cached
         responses pending, else the full exchange. `refresh` (the last cycle ran nothing) asks for the full
         exchange, so that a stall warning names who is missing from a table of this moment."""
+        stalled = self._past_shutdown(mine)
         if self.cache:
-            flags = self._exchange_flags(mine, refresh)
+            flags = self._exchange_flags(mine, refresh or stalled)
             if all(row[0] for row in flags):
                 return self._run_cached(flags, {entry.key: entry for entry in mine})
-        return self._run_ready(self._exchange(mine))
+        table = self._exchange(mine, stalled)
+        if self.stalled_ranks:
+            raise basics.HorovodInternalError(self._shutdown_message(table))
+        return self._run_ready(table)
+
+    def _past_shutdown(self, mine: list[Entry]) -> bool:
+        """Whether an operation of `mine` has waited longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS."""
+        if self.stall_shutdown_seconds <= 0:
+            return False
+        now = time.monotonic()
+        return any(now - entry.posted > self.stall_shutdown_seconds for entry in mine
+                   if entry.kind not in ("JOIN", "SHUTDOWN"))
+
+    def _shutdown_message(self, table: dict[int, dict[int, torch.Tensor]]) -> str:
+        """What every rank raises at a stall shutdown: the operations some ranks posted and others did not."""
+        with self.lock:
+            names = {entry.key: entry.name for entry in self.pending.values()}
+        lines = []
+        for key in sorted({key for rows in table.values() for key in rows}):
+            holders = [rank for rank, rows in sorted(table.items()) if key in rows]
+            missing = [r for r in self._members(int(table[holders[0]][key][5])) if r not in holders]
+            if missing:
+                name = names.get(key, "an operation not posted here")
+                lines.append(f"{name} (posted by rank(s) {holders}, not by {missing})")
+        return (f"stall shutdown: rank(s) {self.stalled_ranks} waited more than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS "
+                f"({self.stall_shutdown_seconds:g}) for other ranks to post the same operations; every rank shut "
+                f"Horovod down. Not posted by every rank: {'; '.join(lines) or 'none named'}.")
 
     def _is_cached(self, entry: Entry) -> bool:
         position = self.cache_index.get(entry.key)
@@ -358,17 +406,18 @@ class Coordinator:
         self._dispatch(runnable)
         return bool(ready)
 
-    def _exchange(self, mine: list[Entry]) -> dict[int, dict[int, torch.Tensor]]:
-        """Every rank's posted entries: rank -> key -> row."""
+    def _exchange(self, mine: list[Entry], stalled: bool = False) -> dict[int, dict[int, torch.Tensor]]:
+        """Every rank's posted entries: rank -> key -> row; `stalled_ranks` says who is past the shutdown time."""
         count = len(mine)
-        first = torch.full((1 + FIRST_BATCH * WIDTH,), -1, dtype=torch.int64)
-        first[0] = count
+        first = torch.full((HEADER + FIRST_BATCH * WIDTH,), -1, dtype=torch.int64)
+        first[0], first[1] = count, int(stalled)
         for i, entry in enumerate(mine[:FIRST_BATCH]):
-            first[1 + i * WIDTH] = entry.key
-            first[2 + i * WIDTH:1 + (i + 1) * WIDTH] = entry.row
+            first[HEADER + i * WIDTH] = entry.key
+            first[HEADER + 1 + i * WIDTH:HEADER + (i + 1) * WIDTH] = entry.row
         gathered = [torch.empty_like(first) for _ in range(self.size)]
         dist.all_gather(gathered, first, group=self.control)
         counts = [int(g[0]) for g in gathered]
+        self.stalled_ranks = [rank for rank, g in enumerate(gathered) if int(g[1]) == 1]
         if max(counts) > FIRST_BATCH:
             longest = max(counts)
             full = torch.full((longest * WIDTH,), -1, dtype=torch.int64)
@@ -379,7 +428,7 @@ class Coordinator:
             dist.all_gather(rows, full, group=self.control)
             flat = [r.view(longest, WIDTH) for r in rows]
         else:
-            flat = [g[1:].view(FIRST_BATCH, WIDTH) for g in gathered]
+            flat = [g[HEADER:].view(FIRST_BATCH, WIDTH) for g in gathered]
         self.cycle += 1
         table: dict[int, dict[int, torch.Tensor]] = {}
         for rank, (rows_of_rank, n) in enumerate(zip(flat, counts, strict=True)):
@@ -585,9 +634,9 @@ class Coordinator:
     def check_stalls(self) -> None:
         """Horovod's stall warning, once per operation: what this rank has posted that other ranks have not, for
         longer than HOROVOD_STALL_CHECK_TIME_SECONDS."""
+        now = time.monotonic()
         if self.stall_disabled:
             return
-        now = time.monotonic()
         with self.lock:
             stalled = [e for e in self.pending.values() if not e.warned and now - e.posted > self.stall_seconds
                        and e.kind not in ("JOIN", "SHUTDOWN")]
@@ -620,7 +669,8 @@ class Coordinator:
             entries = list(self.pending.values())
             self.pending.clear()
         for entry in entries:
-            entry.error = RuntimeError(f"the negotiation failed: {error}")
+            entry.error = error if isinstance(error, basics.HorovodInternalError) else RuntimeError(
+                f"the negotiation failed: {error}")
             entry.done.set()
 
     def stop(self, wait_seconds: float) -> None:

@@ -197,10 +197,12 @@ class _DistributedOptimizer:
                 for p in bucket:
                     grad = p.grad
                     assert grad is not None
-                    if grad.is_sparse:
-                        p.grad = grad = grad.to_dense()
                     n = grad.numel()
-                    grad.copy_(reduced[offset:offset + n].view_as(grad))
+                    if grad.is_sparse:  # sparse_as_dense: reduced dense, handed back sparse, as Horovod does, so
+                        # that an optimizer that takes only sparse gradients (SparseAdam) still steps
+                        p.grad = reduced[offset:offset + n].view(grad.shape).clone().to_sparse(grad.sparse_dim())
+                    else:
+                        grad.copy_(reduced[offset:offset + n].view_as(grad))
                     offset += n
         self._ready, self._next_bucket, self._inflight = set(), 0, []
         self._passes = {p: self.backward_passes_per_step for p in self._params}

@@ -1,8 +1,9 @@
 """dtrain.horovod's API where Horovod documents it, at 2 and 3 gloo ranks: `sparse_allreduce_async` returns a handle
 to call (or to `synchronize`), async ops really run in the background, Horovod's exception types, a failed
 collective (on every rank, or on one rank's bad arguments) followed by a good one, `broadcast_optimizer_state` with
-parameters that have no gradient or no state, and SparseAdam on sparse embeddings that keep sparse gradients,
-against single-process SparseAdam on the full batch (float64)."""
+parameters that have no gradient or no state, and SparseAdam on sparse embeddings that keep sparse gradients (or,
+with `sparse_as_dense=True`, are reduced dense and handed back sparse), against single-process SparseAdam on the full
+batch (float64)."""
 
 from __future__ import annotations
 
@@ -113,7 +114,7 @@ def _optimizer_state_without_grads(hvd: Any, size: int, rank: int) -> dict[str, 
     return out
 
 
-def _sparse_adam(hvd: Any, size: int, rank: int) -> dict[str, Any]:
+def _sparse_adam(hvd: Any, size: int, rank: int, sparse_as_dense: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
     tokens = torch.randint(0, 10, (size, 6))
     targets = torch.randn(size, 6, 3, dtype=torch.float64)
@@ -122,7 +123,7 @@ def _sparse_adam(hvd: Any, size: int, rank: int) -> dict[str, Any]:
     model.load_state_dict(reference.state_dict())
     reference_opt = torch.optim.SparseAdam(reference.parameters(), lr=0.05)
     optimizer = hvd.DistributedOptimizer(torch.optim.SparseAdam(model.parameters(), lr=0.05),
-                                         named_parameters=model.named_parameters())
+                                         named_parameters=model.named_parameters(), sparse_as_dense=sparse_as_dense)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0, model=model)
     reference.weight.grad = torch.zeros_like(reference.weight).to_sparse()  # the state step Horovod takes
     reference_opt.step()
@@ -147,7 +148,8 @@ def _api(topology: Any) -> dict[str, Any]:
     hvd.init()
     size, rank = hvd.size(), hvd.rank()
     results = {"sparse_async": _sparse_and_async(hvd, size, rank), "errors": _errors_then_good(hvd, size, rank),
-               "state": _optimizer_state_without_grads(hvd, size, rank), "sparse_adam": _sparse_adam(hvd, size, rank)}
+               "state": _optimizer_state_without_grads(hvd, size, rank), "sparse_adam": _sparse_adam(hvd, size, rank),
+               "sparse_as_dense": _sparse_adam(hvd, size, rank, sparse_as_dense=True)}
     hvd.shutdown()
     return results
 
@@ -171,5 +173,7 @@ def test_horovod_api_as_horovod_documents_it(size: int) -> None:
         for mine, root in zip(state["weights"], results[0]["state"]["weights"], strict=True):
             assert torch.equal(mine, root)
         assert torch.equal(state["momentum"], results[0]["state"]["momentum"])
-        assert result["sparse_adam"]["sparse_grads"] == [True, True, True]
-        assert result["sparse_adam"]["difference"] < 1e-9
+        # sparse_as_dense: reduced as a dense allreduce, handed back sparse before the step, as Horovod does
+        for path in ("sparse_adam", "sparse_as_dense"):
+            assert result[path]["sparse_grads"] == [True, True, True], (rank, path)
+            assert result[path]["difference"] < 1e-9, (rank, path)
