@@ -55,7 +55,7 @@ def _spawn_context() -> Any:
 
 
 def _entry(rank: int, world_size: int, port: int, payload: bytes, results: Any, env: dict[str, str],
-           servers: int, parent: tuple[dict[str, str], str, list[str]]) -> None:
+           servers: int, parent: tuple[dict[str, str], str, list[str]], finished: Any, timeout: float) -> None:
     environ, cwd, sys_path = parent  # the test's own, not those the fork server started with
     os.environ.clear()
     os.environ.update(environ)
@@ -80,6 +80,9 @@ def _entry(rank: int, world_size: int, port: int, payload: bytes, results: Any, 
         results.put((rank, False, traceback.format_exc()))
         raise
     finally:
+        # stay up (rank 0 hosts the store) until every rank has reported, as torchrun's agents wait for each other:
+        # a rank that outlived this one may still need its notices (an injected hang waits for the abort notice)
+        finished.wait(timeout)
         atexit._run_exitfuncs()  # a forked child ends by os._exit: run what a normal exit would (metrics drains)
 
 
@@ -88,6 +91,7 @@ def run_spawned(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
     """Results in rank order: the `world_size` workers', then the servers'."""
     context = _spawn_context()
     results = context.Queue()
+    finished = context.Event()  # set once every rank has reported (or one failed): then they may exit
     port = _free_port()
     world_size += servers
     payload = pickle.dumps((fn, args))
@@ -95,7 +99,7 @@ def run_spawned(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
     # by its package path: pytest loads this file as plain `conftest` too, a name the fork server may not resolve
     target = importlib.import_module("tests.distributed.conftest")._entry
     processes = [context.Process(target=target, args=(rank, world_size, port, payload, results, env or {}, servers,
-                                                      parent))
+                                                      parent, finished, timeout))
                  for rank in range(world_size)]
     for process in processes:
         process.start()
@@ -110,6 +114,7 @@ def run_spawned(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
                 failures.append(f"rank {rank}:\n{value}")
                 break
     finally:
+        finished.set()
         for process in processes:
             process.join(timeout=5 if failures else 30)
             if process.is_alive():
