@@ -127,7 +127,7 @@ HEADLINES: tuple[Headline, ...] = (
     Headline("horovod_compat", "horovod_compat", "img_per_sec_ratio_vs_ddp",
              "a Horovod script under `dtrain horovodrun` / the same in raw DDP, images/s", Target(">=", 0.97)),
     Headline("horovod_compat", "horovod_compat", "negotiation_img_per_sec_ratio",
-             "the same script: Horovod's negotiation by name (response cache) / the order-matched code before it, "
+             "the same script: this commit's negotiation / the baseline commit's (the json's baseline_commit), "
              "images/s", Target(">=", 0.97)),
     Headline("horovod_accuracy", "horovod_accuracy", "accuracy_gap_points",
              "accuracy gap: a Horovod script against the same Trial under `dtrain run`, 4 seeds (points)",
