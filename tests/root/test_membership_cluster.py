@@ -18,12 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from cluster import ClusterUnavailable, emulated_cluster, unavailable_reason  # noqa: E402
 from nodes import kill_node, latest_step, membership, node_command, uninterrupted_accuracy, wait_for  # noqa: E402
 
-# about 5 minutes on 2 shared cores; not marked slow: that marker is for the distributed and fault suites, and make
-# test-fast leaves tests/root out anyway (tests/unit/test_markers.py)
+# about 2-5 minutes on 2 shared cores (quiet to loaded); not marked slow: that marker is for the distributed and
+# fault suites, and make test-fast leaves tests/root out anyway (tests/unit/test_markers.py)
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
 
 CONFIG = Path(__file__).resolve().parents[1] / "fixtures" / "digits.yaml"
-BATCHES = 500
+BATCHES = 4000  # node 0 alone must still be training when node 1 has started again and joined: about 20 s quiet
 SETTINGS = [f"searcher.max_length.batches={BATCHES}", "min_checkpoint_period.batches=10",
             "min_validation_period.batches=100", "max_restarts=5", "distributed.timeout_seconds=60"]
 PORT = 29431
